@@ -1,0 +1,26 @@
+"""Bundled environments, registered under the `relax/` namespace.
+
+Entry points are strings, so listing ids imports no env module; each module
+loads when its env is first made.
+"""
+
+from relax_gym.registration import register
+
+BUNDLED: dict[str, str] = {
+    "relax/Math-v0": "relax_gym.envs.math:MathEnv",
+    "relax/MathTool-v0": "relax_gym.envs.math:MathToolEnv",
+    "relax/DeepEyes-v0": "relax_gym.envs.deepeyes:DeepEyesEnv",
+    "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
+    "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
+    "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
+    "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",
+    "relax/ReasoningGym-v0": "relax_gym.envs.reasoning_gym:ReasoningGymEnv",
+}
+
+
+def register_envs() -> None:
+    for env_id, entry_point in BUNDLED.items():
+        register(env_id, entry_point)
+
+
+register_envs()

@@ -1,0 +1,70 @@
+"""Loading task records from users' local files and the shipped data.
+
+Public RL datasets come as parquet or JSON lines (dapo-math-17k, DeepEyes-47k,
+AVQA); pyarrow reads parquet, the standard library reads the rest. Records are
+plain dicts; each env maps its format's fields to a task.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    """A data file is missing, unreadable or lacks a field an env needs."""
+
+
+def shipped_path(*parts: str) -> Path:
+    """A file under the package's `data/` folder (works from a wheel as well as a checkout)."""
+    return Path(str(resources.files("relax_gym.envs").joinpath("data", *parts)))
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Reads `.jsonl`, `.json` (a list) or `.parquet` into a list of dicts."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DatasetError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        if suffix == ".jsonl":
+            records = []
+            with path.open(encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            records.append(json.loads(line))
+                        except json.JSONDecodeError as err:
+                            raise DatasetError(f"{path}:{lineno}: invalid JSON: {err.msg}") from err
+            return records
+        if suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise DatasetError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+            return data
+    except DatasetError:
+        raise
+    except Exception as err:
+        raise DatasetError(f"could not read {path}: {type(err).__name__}: {err}") from err
+    raise DatasetError(f"{path}: unsupported data format {suffix!r}; use .jsonl, .json or .parquet")
+
+
+def require(record: dict[str, Any], keys: Sequence[str], where: str) -> None:
+    missing = [k for k in keys if k not in record]
+    if missing:
+        raise DatasetError(f"{where}: record lacks field(s) {missing}; it has {sorted(record)}")
+
+
+def pick(records: Sequence[Any], rng: Any) -> tuple[int, Any]:
+    """A seeded draw of one record with its index."""
+    if not records:
+        raise DatasetError("the dataset is empty")
+    index = int(rng.integers(len(records)))
+    return index, records[index]

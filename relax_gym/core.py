@@ -1,0 +1,76 @@
+"""The environment base class.
+
+`Env` is a `gymnasium.Env` whose actions are the assistant's text for one turn
+and whose observations render to chat messages, so gymnasium's `check_env`,
+wrappers and registry apply unchanged, and the rollout manager only needs
+`format_observation` to turn any observation into tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any, ClassVar, Generic, TypeVar
+
+import gymnasium as gym
+
+from relax_gym.messages import Message, validate_messages
+from relax_gym.spaces import ActionText, MessageSpace
+
+ObsT = TypeVar("ObsT")
+
+StepResult = tuple[Any, float, bool, bool, dict[str, Any]]
+
+
+class Env(gym.Env[ObsT, str], Generic[ObsT]):
+    """A multi-turn chat environment.
+
+    Subclasses implement `reset` and `step` like any gymnasium env (call
+    `super().reset(seed=seed)` first to seed `self.np_random`). By default an
+    observation *is* a list of new chat messages; an env with another
+    observation type overrides `format_observation` to render it.
+
+    `metadata` keys read by relax_gym:
+      - `modalities`: content types the env emits (`text`, `image`, `audio`);
+      - `tools`: names of the tools offered to the model;
+      - `sandbox`: whether the env executes code in the sandbox.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {
+        "render_modes": [],
+        "modalities": ("text",),
+        "tools": (),
+        "sandbox": False,
+    }
+
+    observation_space: gym.spaces.Space = MessageSpace()
+    action_space: gym.spaces.Space = ActionText()
+
+    #: Tool schemas offered through the chat template's `tools=` (see relax_gym.tools).
+    tool_schemas: list[dict[str, Any]] = []
+
+    def format_observation(self, observation: ObsT) -> list[Message]:
+        """Renders an observation as the chat messages to append to the conversation."""
+        validate_messages(observation)
+        return copy.copy(observation)  # type: ignore[return-value]
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[ObsT, dict]:
+        """Async reset; the default runs `reset` in a worker thread so a slow env never blocks the loop."""
+        return await asyncio.to_thread(self.reset, seed=seed, options=options)
+
+    async def astep(self, action: str) -> StepResult:
+        """Async step; override for envs that wait on I/O (a judge model, a sandbox)."""
+        return await asyncio.to_thread(self.step, action)
+
+    def get_state(self) -> dict[str, Any]:
+        """A picklable snapshot from which `set_state` resumes the episode (optional)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support get_state/set_state")
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support get_state/set_state")
+
+    @property
+    def supports_state(self) -> bool:
+        """True when the subclass overrides both state methods."""
+        cls = type(self)
+        return cls.get_state is not Env.get_state and cls.set_state is not Env.set_state

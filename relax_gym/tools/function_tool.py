@@ -1,0 +1,129 @@
+"""Typed Python functions as tools.
+
+The JSON schema comes from type hints and the Google-style docstring through
+`transformers.utils.get_json_schema`, the same function chat templates use, and
+arguments are validated and coerced by pydantic against the same hints, so the
+schema the model sees and the check its call meets cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pydantic
+from PIL import Image
+from transformers.utils import get_json_schema
+
+from relax_gym.messages import Part, audio, image, text, validate_part
+from relax_gym.tools.parser import ToolCall
+
+TOOL_MARK = "__relax_gym_tool__"
+
+
+class ToolDefinitionError(TypeError):
+    """A function cannot be offered as a tool (no docstring, undocumented argument, untyped)."""
+
+
+def tool(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a function or method as a tool; `ToolEnv` offers every marked method."""
+    setattr(fn, TOOL_MARK, True)
+    return fn
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    content: list[Part]
+    is_error: bool = False
+
+
+class Tool:
+    """A callable with its JSON schema and a validating invoker."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        try:
+            schema = get_json_schema(fn)
+        except Exception as err:  # transformers raises several types; all mean the same here
+            raise ToolDefinitionError(f"{getattr(fn, '__qualname__', fn)!r} cannot be a tool: {err}") from err
+        if name:
+            schema["function"]["name"] = name
+        schema["function"].pop("return", None)
+        self.fn = fn
+        self.name: str = schema["function"]["name"]
+        self.schema: dict[str, Any] = schema
+        self._validated = pydantic.validate_call(config={"arbitrary_types_allowed": True})(fn)
+        self._params = set(inspect.signature(fn).parameters)
+
+    def __call__(self, **arguments: Any) -> ToolResult:
+        """Runs the tool; bad arguments or an exception inside it become an error result."""
+        unknown = sorted(set(arguments) - self._params)
+        if unknown:
+            return _error(f"{self.name}: unknown argument(s) {unknown}; expected {sorted(self._params)}")
+        try:
+            value = self._validated(**arguments)
+        except pydantic.ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in err.errors()
+            )
+            return _error(f"{self.name}: invalid arguments: {problems}")
+        except Exception as err:
+            return _error(f"{self.name} failed: {type(err).__name__}: {err}")
+        return ToolResult(to_parts(value))
+
+
+def _error(message: str) -> ToolResult:
+    return ToolResult([text(f"Error: {message}")], is_error=True)
+
+
+def to_parts(value: Any) -> list[Part]:
+    """Turns a tool's return value into message parts a model can be shown."""
+    if isinstance(value, Image.Image):
+        return [image(value)]
+    if isinstance(value, str):
+        return [text(value)]
+    if isinstance(value, dict) and value.get("type") in ("text", "image", "audio"):
+        validate_part(value)
+        return [value]  # type: ignore[list-item]
+    if isinstance(value, list | tuple) and value and all(
+        isinstance(v, Image.Image) or (isinstance(v, dict) and "type" in v) for v in value
+    ):
+        return [p for v in value for p in to_parts(v)]
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], np.ndarray):
+        return [audio(value[0], int(value[1]))]
+    try:
+        return [text(json.dumps(value, ensure_ascii=False, default=str))]
+    except (TypeError, ValueError):
+        return [text(repr(value))]
+
+
+class ToolSet:
+    """The tools of one env, looked up by name."""
+
+    def __init__(self, fns: Iterable[Callable[..., Any] | Tool]):
+        self.tools: dict[str, Tool] = {}
+        for fn in fns:
+            t = fn if isinstance(fn, Tool) else Tool(fn)
+            if t.name in self.tools:
+                raise ToolDefinitionError(f"two tools are named {t.name!r}")
+            self.tools[t.name] = t
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tools)
+
+    def execute(self, call: ToolCall) -> ToolResult:
+        found = self.tools.get(call.name)
+        if found is None:
+            close = difflib.get_close_matches(call.name, list(self.tools), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            return _error(f"unknown tool {call.name!r}.{hint} Available tools: {', '.join(self.tools) or 'none'}")
+        return found(**call.arguments)

@@ -1,0 +1,53 @@
+"""The wheel holds every subpackage and the shipped data, not only what an editable install sees."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=600,
+    )
+    (found,) = out.glob("relax_gym-*.whl")
+    return found
+
+
+def source_packages() -> set[str]:
+    found = set()
+    for prefix, folder in {"relax_gym": "relax_gym", "relax_gym.envs": "envs", "relax_gym.trainer": "trainer"}.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add("/".join((prefix.replace(".", "/"), *init.parent.relative_to(ROOT / folder).parts)))
+    return found
+
+
+def test_wheel_contains_every_package_and_the_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("__init__.py")}
+    assert source_packages() <= packages
+    assert any(n.startswith("relax_gym/envs/data/") for n in names)
+    assert not any(n.startswith(("envs/", "trainer/", "tests/")) for n in names)
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "relax-gym = relax_gym.cli:main" in text and "[relax_gym.envs]" in text
+
+
+def test_bundled_envs_import_and_load_data_from_the_wheel(wheel, tmp_path):
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    code = (
+        "import relax_gym, relax_gym.envs, pathlib; "
+        "assert pathlib.Path(relax_gym.__file__).is_relative_to(pathlib.Path(r'%s')); "
+        "e = relax_gym.make('relax/Math-v0'); obs, _ = e.reset(seed=0); print(len(obs))" % tmp_path
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 1
