@@ -70,7 +70,7 @@ class ToolEnv(Env[list[Message]]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         task = self.new_task(self.np_random, dict(options or {}))
-        self.episode = {"task": task, "turn": 0, "tool_calls": 0, "tool_errors": 0, "done": False}
+        self.episode = {"task": task, "turn": 0, "tool_calls": 0, "tool_successes": 0, "tool_errors": 0, "done": False}
         return self.prompt_messages(), self._info()
 
     def step(self, action: str) -> StepResult:
@@ -93,6 +93,7 @@ class ToolEnv(Env[list[Message]]):
             ep["tool_calls"] += 1
             outcome = self.toolset.execute(call)
             ep["tool_errors"] += outcome.is_error
+            ep["tool_successes"] += not outcome.is_error
             observation.append(message("tool", *outcome.content, name=call.name))
         if ep["turn"] >= self.max_turns:
             ep["done"] = True
@@ -101,7 +102,8 @@ class ToolEnv(Env[list[Message]]):
 
     def _info(self, **extra: Any) -> dict[str, Any]:
         ep = self.episode
-        return {"turn": ep["turn"], "tool_calls": ep["tool_calls"], "tool_errors": ep["tool_errors"], **extra}
+        counts = {k: ep[k] for k in ("turn", "tool_calls", "tool_successes", "tool_errors")}
+        return {**counts, **extra}
 
     # --- resumable episodes -------------------------------------------------------
     def get_state(self) -> dict[str, Any]:

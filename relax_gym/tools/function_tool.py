@@ -26,6 +26,10 @@ from relax_gym.tools.parser import ToolCall
 TOOL_MARK = "__relax_gym_tool__"
 
 
+class ToolError(Exception):
+    """Raised inside a tool to tell the model what went wrong, in the tool's own words."""
+
+
 class ToolDefinitionError(TypeError):
     """A function cannot be offered as a tool (no docstring, undocumented argument, untyped)."""
 
@@ -71,6 +75,8 @@ class Tool:
                 f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in err.errors()
             )
             return _error(f"{self.name}: invalid arguments: {problems}")
+        except ToolError as err:
+            return _error(f"{self.name}: {err}")
         except Exception as err:
             return _error(f"{self.name} failed: {type(err).__name__}: {err}")
         return ToolResult(to_parts(value))
