@@ -1,0 +1,105 @@
+"""DeepEyes-47k style records: finding the file, reading the task, decoding the image.
+
+A record has `prompt` (a chat list whose last user message holds an `<image>`
+placeholder and the question), `images` (one entry: `{"bytes": ...}` as in the
+parquet release, `{"path": ...}` or a plain path string, paths relative to the
+data file) and `reward_model.ground_truth`; `extra_info.question` and
+`extra_info.choices` are used when present.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from relax_gym.envs.datasets import DatasetError, require, shipped_path
+
+IMAGE_PLACEHOLDER = "<image>"
+SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def data_file(data_path: str | Path | None, split: str) -> Path:
+    """`data_path` itself, else `<data_path>/<split>.{parquet,jsonl,json}`, else the shipped split."""
+    if data_path is None:
+        return shipped_path("deepeyes", f"{split}.jsonl")
+    path = Path(data_path).expanduser()
+    if not path.is_dir():
+        return path
+    for suffix in SUFFIXES:
+        if (path / f"{split}{suffix}").is_file():
+            return path / f"{split}{suffix}"
+    raise DatasetError(f"{path} holds no {split}{{{','.join(SUFFIXES)}}} file")
+
+
+def validate(records: list[dict[str, Any]], source: Path) -> None:
+    """Checks the fields every record needs up front, so a bad file fails at construction."""
+    for i, record in enumerate(records):
+        where = f"{source} record {i}"
+        require(record, ("prompt", "images", "reward_model"), where)
+        if not isinstance(record["reward_model"], dict) or "ground_truth" not in record["reward_model"]:
+            raise DatasetError(f"{where}: reward_model needs a 'ground_truth'")
+        if not isinstance(record["images"], list | tuple) or len(record["images"]) != 1:
+            raise DatasetError(
+                f"{where}: expected exactly one image in 'images', got {record['images']!r:.80}"
+            )
+
+
+def _user_text(prompt: Any) -> str:
+    """The last user message's text; list contents keep their image part as a placeholder."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise DatasetError("prompt has no user message")
+    content = users[-1].get("content", "")
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") if p.get("type") == "text" else IMAGE_PLACEHOLDER for p in content)
+
+
+def task_from_record(record: dict[str, Any], index: int) -> dict[str, Any]:
+    """The JSON-serialisable task an episode keeps; the image stays out (see `load_image`)."""
+    try:
+        text = _user_text(record["prompt"])
+    except (DatasetError, AttributeError, TypeError) as err:
+        raise DatasetError(f"record {index}: unreadable prompt: {err}") from err
+    extra = record.get("extra_info") or {}
+    question = extra.get("question") or text.replace(IMAGE_PLACEHOLDER, "").strip()
+    choices = extra.get("choices")
+    return {
+        "index": index,
+        "data_source": str(record.get("data_source", "")),
+        "text": text,
+        "question": str(question),
+        "gold": str(record["reward_model"]["ground_truth"]),
+        "choices": [str(c) for c in choices] if choices else None,
+    }
+
+
+def _image_source(entry: Any, base: Path) -> bytes | Path:
+    if isinstance(entry, dict) and entry.get("bytes"):
+        return bytes(entry["bytes"])
+    path = entry.get("path") if isinstance(entry, dict) else entry
+    if not isinstance(path, str | Path) or not str(path):
+        raise DatasetError(f"image entry has neither 'bytes' nor a 'path': {entry!r:.80}")
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def load_image(record: dict[str, Any], index: int, source: Path) -> Image.Image:
+    """The record's image as RGB; a missing or corrupt file raises DatasetError naming record and file."""
+    try:
+        origin = _image_source(record["images"][0], source.parent)
+    except DatasetError as err:
+        raise DatasetError(f"{source} record {index}: {err}") from err
+    name = f"{len(origin)} bytes of embedded image" if isinstance(origin, bytes) else str(origin)
+    try:
+        with Image.open(io.BytesIO(origin) if isinstance(origin, bytes) else origin) as img:
+            return img.convert("RGB")
+    except Exception as err:  # decoders raise OSError, SyntaxError, ValueError...: all mean a bad file
+        raise DatasetError(
+            f"{source} record {index}: cannot read image {name}: {type(err).__name__}: {err}"
+        ) from err
