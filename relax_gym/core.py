@@ -46,8 +46,10 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
     observation_space: gym.spaces.Space = MessageSpace()
     action_space: gym.spaces.Space = ActionText()
 
-    #: Tool schemas offered through the chat template's `tools=` (see relax_gym.tools).
-    tool_schemas: list[dict[str, Any]] = []
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """Tool schemas offered through the chat template's `tools=` (see relax_gym.tools)."""
+        return []
 
     def format_observation(self, observation: ObsT) -> list[Message]:
         """Renders an observation as the chat messages to append to the conversation."""

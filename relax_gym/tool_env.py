@@ -64,7 +64,7 @@ class ToolEnv(Env[list[Message]]):
 
     # --- the loop -----------------------------------------------------------------
     @property
-    def tool_schemas(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def tool_schemas(self) -> list[dict[str, Any]]:
         return self.toolset.schemas
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):

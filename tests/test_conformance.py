@@ -52,7 +52,7 @@ class CrashingEnv(GoodEnv):
 
 class UndeclaredImageEnv(GoodEnv):
     def step(self, action):
-        obs, *rest = super().step(action)
+        _, *rest = super().step(action)
         return [user(image(Image.new("RGB", (4, 4))))], *rest
 
 
@@ -74,7 +74,7 @@ def failed(report):
 def test_good_env_passes_every_check():
     report = run_checks("good", GoodEnv)
     assert report.passed, failed(report)
-    assert [r.name for r in report.results][0] == "gymnasium.check_env"
+    assert report.results[0].name == "gymnasium.check_env"
 
 
 @pytest.mark.parametrize(

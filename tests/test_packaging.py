@@ -44,8 +44,8 @@ def test_bundled_envs_import_and_load_data_from_the_wheel(wheel, tmp_path):
     zipfile.ZipFile(wheel).extractall(tmp_path)
     code = (
         "import relax_gym, relax_gym.envs, pathlib; "
-        "assert pathlib.Path(relax_gym.__file__).is_relative_to(pathlib.Path(r'%s')); "
-        "e = relax_gym.make('relax/Math-v0'); obs, _ = e.reset(seed=0); print(len(obs))" % tmp_path
+        f"assert pathlib.Path(relax_gym.__file__).is_relative_to(pathlib.Path(r'{tmp_path}')); "
+        "e = relax_gym.make('relax/Math-v0'); obs, _ = e.reset(seed=0); print(len(obs))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})

@@ -48,7 +48,7 @@ def test_unknown_id_suggests_the_closest():
 
 def test_bad_kwarg_names_it_and_the_closest_valid_one():
     relax_gym.register("test/Echo-v1", Echo)
-    with pytest.raises(EnvArgumentError, match="'prefx'.*Did you mean 'prefix'"):
+    with pytest.raises(EnvArgumentError, match=r"'prefx'.*Did you mean 'prefix'"):
         relax_gym.make("test/Echo-v1", prefx="x")
 
 

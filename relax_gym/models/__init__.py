@@ -1,0 +1,40 @@
+"""Models for rollouts and training: the embedded tiny ones and local HF checkpoints.
+
+`load_model("tiny" | "tiny-vl" | "tiny-audio" | folder)` gives a `LoadedModel`;
+`render` / `processor_inputs` turn chat messages into its exact inputs, and
+`sequence_inputs` rebuilds them for a turn-by-turn appended trajectory.
+"""
+
+from relax_gym.models.chat_template import CHAT_TEMPLATE
+from relax_gym.models.inputs import (
+    MEDIA_KEYS,
+    chat_text,
+    processor_inputs,
+    render,
+    sequence_inputs,
+    template_messages,
+)
+from relax_gym.models.loading import TINY_MODELS, LoadedModel, config_modalities, load_model, save_model
+from relax_gym.models.tiny import build_tiny_audio, build_tiny_text, build_tiny_vl, without_video
+from relax_gym.models.tokenizer import build_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "MEDIA_KEYS",
+    "TINY_MODELS",
+    "LoadedModel",
+    "build_tiny_audio",
+    "build_tiny_text",
+    "build_tiny_vl",
+    "build_tokenizer",
+    "chat_text",
+    "config_modalities",
+    "encode",
+    "load_model",
+    "processor_inputs",
+    "render",
+    "save_model",
+    "sequence_inputs",
+    "template_messages",
+    "without_video",
+]

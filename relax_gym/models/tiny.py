@@ -1,0 +1,188 @@
+"""Embedded tiny models: real Qwen architectures with random weights, built in milliseconds.
+
+They let every part of the stack (rollouts, engines, trainers, the CLI) run on a
+CPU with no hub access while going through the same code paths as a real
+checkpoint: Qwen3 for text, Qwen3-VL for images, Qwen2-Audio for audio, all on
+one trained-in-memory tokenizer and one chat template.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    ProcessorMixin,
+    Qwen2AudioConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2AudioProcessor,
+    Qwen2VLImageProcessorPil,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    WhisperFeatureExtractor,
+)
+
+from relax_gym.models.chat_template import CHAT_TEMPLATE
+from relax_gym.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+
+# Qwen3-VL patches are 16 px, merged 2x2: one image token per 32x32 px. Bounding the area to 4..64
+# tokens keeps any image (a 896x672 one included) to at most 256 patches.
+VL_PATCH, VL_MERGE = 16, 2
+VL_MIN_PIXELS = 4 * (VL_PATCH * VL_MERGE) ** 2
+VL_MAX_PIXELS = 64 * (VL_PATCH * VL_MERGE) ** 2
+# 32 mel bins over 2 s chunks at 16 kHz: 200 frames, i.e. 25 audio tokens per second, 50 per chunk.
+AUDIO_MEL_BINS, AUDIO_CHUNK_S = 32, 2
+
+ModelT = TypeVar("ModelT", bound=PreTrainedModel)
+
+_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seeds weight init without disturbing the caller's global RNG stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    return {"vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+
+
+def _finish(model: ModelT, tokenizer: PreTrainedTokenizerFast) -> ModelT:
+    """Qwen's generation defaults: stop at `<|im_end|>` or `<|endoftext|>`, greedy unless asked."""
+    ids = _special_ids(tokenizer)
+    model.generation_config.eos_token_id = [ids["eos_token_id"], ids["pad_token_id"]]
+    model.generation_config.pad_token_id = ids["pad_token_id"]
+    model.generation_config.bos_token_id = None
+    return model.eval()
+
+
+@functools.cache
+def without_video(processor_cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    """`processor_cls` minus its video sub-processor, for machines without torchvision.
+
+    transformers' video processors need torchvision even to be constructed, and a
+    processor rejects a missing one (`check_argument_for_proper_class`), cannot
+    save it (`save_pretrained`) and loads it unconditionally (`from_pretrained`).
+    All three iterate `get_attributes()`, so dropping it there is the one fix.
+    The subclass keeps the parent's name, so saved folders name the stock class.
+    """
+    attributes = [a for a in processor_cls.get_attributes() if "video" not in a]
+    if attributes == processor_cls.get_attributes():
+        return processor_cls
+    return type(
+        processor_cls.__name__,
+        (processor_cls,),
+        {"get_attributes": classmethod(lambda cls: list(attributes)), "__module__": processor_cls.__module__},
+    )
+
+
+def build_tiny_text(seed: int = 0) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
+    """Qwen3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, tied embeddings (as Qwen3-0.6B)."""
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        **_TEXT,
+        **_special_ids(tokenizer),
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    with _seeded(seed):
+        model = Qwen3ForCausalLM(config)
+    return _finish(model, tokenizer), tokenizer
+
+
+def build_tiny_vl(seed: int = 0) -> tuple[Qwen3VLForConditionalGeneration, ProcessorMixin]:
+    """Qwen3-VL with a 2-layer, 32-wide vision tower; images go through the PIL image processor."""
+    tokenizer = build_tokenizer()
+    image_token, video_token, start, end = tokenizer.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+    )
+    config = Qwen3VLConfig(
+        text_config={
+            **_TEXT,
+            **_special_ids(tokenizer),
+            "head_dim": 16,
+            # M-RoPE splits head_dim / 2 = 8 frequencies over (t, h, w).
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": VL_PATCH,
+            "spatial_merge_size": VL_MERGE,
+            "temporal_patch_size": 2,
+            "out_hidden_size": _TEXT["hidden_size"],
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [1],
+        },
+        image_token_id=image_token,
+        video_token_id=video_token,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+    )
+    with _seeded(seed):
+        model = Qwen3VLForConditionalGeneration(config)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=VL_PATCH,
+        merge_size=VL_MERGE,
+        temporal_patch_size=2,
+        min_pixels=VL_MIN_PIXELS,
+        max_pixels=VL_MAX_PIXELS,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    processor = without_video(Qwen3VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
+    return _finish(model, tokenizer), processor
+
+
+def build_tiny_audio(seed: int = 0) -> tuple[Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor]:
+    """Qwen2-Audio with a 2-layer, 32-wide Whisper-style encoder over 32-bin, 2-second mel chunks."""
+    tokenizer = build_tokenizer()
+    feature_extractor = WhisperFeatureExtractor(feature_size=AUDIO_MEL_BINS, chunk_length=AUDIO_CHUNK_S)
+    config = Qwen2AudioConfig(
+        audio_config={
+            "num_mel_bins": AUDIO_MEL_BINS,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            # conv2 halves the frames: positions = frames / 2.
+            "max_source_positions": feature_extractor.nb_max_frames // 2,
+        },
+        text_config={"model_type": "qwen2", **_TEXT, **_special_ids(tokenizer)},
+        audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"),
+    )
+    with _seeded(seed):
+        model = Qwen2AudioForConditionalGeneration(config)
+    processor = Qwen2AudioProcessor(
+        feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
+    return _finish(model, tokenizer), processor
