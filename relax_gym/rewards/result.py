@@ -1,0 +1,46 @@
+"""The outcome of one reward computation."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, ParamSpec
+
+Status = Literal["ok", "timeout", "error"]
+_P = ParamSpec("_P")
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A score plus why: a timeout or crash scores 0.0 but says so in ``status``.
+
+    ``detail`` explains a non-full score (or the failure); ``extracted`` is the answer
+    taken from the completion, if any, so wrong extractions can be told from wrong answers.
+    """
+
+    score: float
+    status: Status = "ok"
+    detail: str | None = None
+    extracted: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status != "ok" and self.score != 0.0:
+            raise ValueError(f"a {self.status!r} result must score 0.0, got {self.score}")
+
+    def to_info(self) -> dict[str, Any]:
+        """A JSON-serialisable dict, for a step's ``info``."""
+        return asdict(self)
+
+
+def never_raises(fn: Callable[_P, RewardResult]) -> Callable[_P, RewardResult]:
+    """Turn any exception into an ``error`` result: a reward must not crash a rollout."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> RewardResult:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            return RewardResult(0.0, "error", f"{type(exc).__name__}: {exc}")
+
+    return wrapper
