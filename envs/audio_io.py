@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from relax_gym.envs.datasets import DatasetError
 
 AudioSource = str | Path | bytes | bytearray | memoryview | Mapping[str, Any]

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
-from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 
 from relax_gym.core import Env, StepResult
+from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
+from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 from relax_gym.messages import Message, Part, audio, message, text
 from relax_gym.rewards import multiple_choice_reward
 from relax_gym.spaces import MessageSpace

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
 from relax_gym.envs.audio_io import encode_wav
 
 SR = 16_000

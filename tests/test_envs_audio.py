@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile
 from gymnasium.utils.env_checker import check_env
-from relax_gym.envs.audio_io import decode_bytes, encode_wav, load_audio, resample
-from relax_gym.envs.audio_qa import AudioQAEnv
-from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 
 import relax_gym
 from relax_gym.conformance import run_checks
+from relax_gym.envs.audio_io import decode_bytes, encode_wav, load_audio, resample
+from relax_gym.envs.audio_qa import AudioQAEnv
+from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 from relax_gym.tool_env import EpisodeOverError
 
 REPO = Path(__file__).resolve().parent.parent

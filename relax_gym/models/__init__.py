@@ -9,6 +9,7 @@ from relax_gym.models.chat_template import CHAT_TEMPLATE
 from relax_gym.models.inputs import (
     MEDIA_KEYS,
     chat_text,
+    encode,
     processor_inputs,
     render,
     sequence_inputs,
