@@ -66,6 +66,84 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in reports) else 1
 
 
+def _key_values(pairs: Sequence[str]) -> dict[str, object]:
+    """`k=v` pairs with YAML-typed values (`digits=2` is an int, `x=[1,2]` a list)."""
+    import yaml
+
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected key=value, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from relax_gym.rollout.run import rollout_to_file
+
+    summary = asyncio.run(rollout_to_file(
+        env_id=args.env, model=args.model, n=args.n, group=args.group, out=args.out, seed=args.seed,
+        engine_url=args.engine_url, env_kwargs=_key_values(args.env_arg), temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
+        concurrency=args.concurrency,
+    ))
+    table = Table(title=f"rollout -> {args.out}")
+    for col in ("env", "episodes", "reward", "status", "turns", "tokens", "generate s", "env s", "failures"):
+        table.add_column(col)
+    for env_id, s in summary.items():
+        table.add_row(env_id, str(s["episodes"]), f"{s['reward_mean']:.3f}", json.dumps(s["status"]),
+                      f"{s['turns_mean']:.1f}", f"{s['tokens_mean']:.0f}", f"{s['generate_s']:.1f}",
+                      f"{s['env_s']:.1f}", json.dumps(s["failures"]) if s["failures"] else "")
+    console.print(table)
+    return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from relax_gym.models import load_model
+    from relax_gym.rollout.preflight import preflight, report_dict
+
+    results = preflight(load_model(args.model))
+    report = report_dict(results)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for r in results:
+            mark = "[green]match[/green]" if r.match else "[red]DIFFERS[/red]"
+            console.print(f"{mark} {r.case}: {r.appended_tokens} appended vs {r.rerendered_tokens} re-rendered tokens")
+            if r.error:
+                console.print(f"    {r.error}", highlight=False)
+            elif not r.match:
+                console.print(f"    first difference at token {r.first_diff}", highlight=False)
+                console.print(f"    appended:    {r.appended_context!r}", highlight=False)
+                console.print(f"    re-rendered: {r.rerendered_context!r}", highlight=False)
+        verdict = "certified" if report["certified"] else "NOT certified: see the differing cases above"
+        console.print(f"{args.model}: {verdict}")
+    return 0 if report["certified"] else 1
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from relax_gym.viewer import write_html
+
+    tokenizer = None
+    if args.model:
+        from relax_gym.models import load_model
+
+        tokenizer = load_model(args.model).tokenizer
+    out = write_html(args.jsonl, args.output, tokenizer=tokenizer)
+    console.print(f"wrote {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from relax_gym.engines.server import serve
+
+    serve(args.model, host=args.host, port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relax-gym", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +157,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a registered id, module:Class, file.py:Class, or file.py (checks the ids it registers)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("rollout", help="run episodes and write trajectories as JSONL")
+    p.add_argument("--env", required=True, help="a registered env id")
+    p.add_argument("--model", default="tiny", help="tiny | tiny-vl | tiny-audio | a local HF checkpoint folder")
+    p.add_argument("-n", type=int, default=8, help="number of tasks")
+    p.add_argument("--group", type=int, default=1, help="episodes per task (same seed)")
+    p.add_argument("--out", required=True, help="output .jsonl (written as groups finish)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-url", default=None, help="an SGLang (or relax-gym serve) server instead of in-process")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-total-tokens", type=int, default=4096)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
+    p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("view", help="render trajectories as an HTML page")
+    p.add_argument("jsonl")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--model", default=None, help="decode per-token spans with this model's tokenizer")
+    p.set_defaults(func=cmd_view)
+
+    p = sub.add_parser("preflight", help="certify a chat template for exact multi-turn token continuity")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("serve", help="the embedded engine over SGLang-native HTTP")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

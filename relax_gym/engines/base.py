@@ -1,0 +1,93 @@
+"""The engine protocol: token ids in, token ids with logprobs out.
+
+The rollout manager owns tokenization and the chat template; an engine only
+continues a token sequence. Two implementations: the embedded transformers
+engine (in-process) and an httpx client of SGLang's native HTTP API. Both
+report the policy version of the weights that produced the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+from PIL import Image
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The engine failed or is unreachable; the message says which and where."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_sglang(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k > 0 else -1,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass
+class GenerateRequest:
+    """One continuation. `input_ids` already hold the expanded image/audio placeholder tokens.
+
+    `images` / `audios` are every image and clip of the conversation so far, in
+    order; `mm_inputs` are the matching processor outputs (pixel_values,
+    image_grid_thw, input_features, ...) when the caller already computed them,
+    so the embedded engine need not run the processor again.
+    """
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    images: list[Image.Image] = field(default_factory=list)
+    audios: list[tuple[np.ndarray, int]] = field(default_factory=list)
+    mm_inputs: dict[str, Any] | None = None
+    rid: str | None = None
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]
+    #: log p(token) under softmax(logits / temperature), untruncated by top-p/top-k,
+    #: which is what the trainer recomputes at the rollout temperature.
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    prompt_tokens: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Loads new weights (a state dict, or a path to an HF folder) and sets the version."""
+
+    async def pause(self) -> None:
+        """Stops starting new generations (running ones finish) until `resume`."""
+
+    async def resume(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None: ...

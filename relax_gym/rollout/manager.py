@@ -1,0 +1,269 @@
+"""The rollout manager: many concurrent multi-turn episodes against one engine.
+
+Each episode alternates engine generation and env steps, appending exact
+tokens (see `tokens.py`). Nothing an env or the engine does can crash a run:
+an env exception makes a `failed` trajectory, an engine error or a timeout an
+`aborted` one, each with its reason, and the other episodes go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from relax_gym.core import Env
+from relax_gym.engines.base import Engine, EngineError, GenerateRequest, SamplingParams
+from relax_gym.models import LoadedModel
+from relax_gym.registration import make
+from relax_gym.rollout.tokens import ConversationTokens, TemplateError
+from relax_gym.trajectory import Status, Trajectory
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    max_turns: int = 8
+    max_total_tokens: int = 4096
+    episode_timeout_s: float = 600.0
+    check_rerender: bool = True
+
+
+class EnvPool:
+    """Reuses env instances across episodes: making some envs reads data files."""
+
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any] | None = None):
+        self.env_id = env_id
+        self.env_kwargs = dict(env_kwargs or {})
+        self._idle: list[Env] = []
+
+    def acquire(self) -> Env:
+        return self._idle.pop() if self._idle else make(self.env_id, **self.env_kwargs)
+
+    def release(self, env: Env, healthy: bool) -> None:
+        if healthy:
+            self._idle.append(env)
+        else:
+            env.close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    tok = loaded.tokenizer
+    ids = {tok.eos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
+    return {i for i in ids if isinstance(i, int) and i != tok.unk_token_id}
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        engine: Engine,
+        loaded: LoadedModel,
+        *,
+        sampling: SamplingParams | None = None,
+        limits: RolloutLimits | None = None,
+        max_concurrency: int = 256,
+    ):
+        self.engine = engine
+        self.loaded = loaded
+        self.sampling = sampling or SamplingParams()
+        self.limits = limits or RolloutLimits()
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._pools: dict[tuple[str, str], EnvPool] = {}
+        self.eos_ids = _eos_ids(loaded)
+
+    def pool(self, env_id: str, env_kwargs: dict[str, Any] | None = None) -> EnvPool:
+        key = (env_id, repr(sorted((env_kwargs or {}).items())))
+        if key not in self._pools:
+            self._pools[key] = EnvPool(env_id, env_kwargs)
+        return self._pools[key]
+
+    # --- public API -----------------------------------------------------------------
+    async def run_group(self, env_id: str, seed: int, group_size: int, *,
+                        env_kwargs: dict[str, Any] | None = None) -> list[Trajectory]:
+        """`group_size` episodes of the same task (same reset seed), for group-relative advantages."""
+        pool = self.pool(env_id, env_kwargs)
+        group_id = f"{env_id}#{seed}"
+        return list(await asyncio.gather(*(self.run_episode(pool, seed, group_id) for _ in range(group_size))))
+
+    async def run(self, env_id: str, n_tasks: int, group_size: int = 1, *, seed: int = 0,
+                  env_kwargs: dict[str, Any] | None = None,
+                  on_group: Callable[[list[Trajectory]], None] | None = None) -> list[Trajectory]:
+        """All groups concurrently; `on_group` sees each group as it finishes (to write it out at once)."""
+
+        async def one(i: int) -> list[Trajectory]:
+            group = await self.run_group(env_id, seed + i, group_size, env_kwargs=env_kwargs)
+            if on_group is not None:
+                on_group(group)
+            return group
+
+        groups = await asyncio.gather(*(one(i) for i in range(n_tasks)))
+        return [t for g in groups for t in g]
+
+    async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "") -> Trajectory:
+        async with self._slots:
+            env = pool.acquire()
+            episode = _Episode(self, env, pool.env_id, seed, group_id)
+            try:
+                await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
+            except TimeoutError:
+                episode.end("aborted", f"episode timed out after {self.limits.episode_timeout_s}s")
+            finally:
+                pool.release(env, healthy=episode.status != "failed")
+            return episode.trajectory()
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+class _Episode:
+    """The state of one running episode; `play` fills it, `trajectory` freezes it."""
+
+    def __init__(self, manager: RolloutManager, env: Env, env_id: str, seed: int, group_id: str):
+        self.m, self.env, self.env_id, self.seed, self.group_id = manager, env, env_id, seed, group_id
+        self.conv: ConversationTokens | None = None
+        self.status: Status | None = None
+        self.reason = ""
+        self.step_rewards: list[float] = []
+        self.infos: list[dict[str, Any]] = []
+        self.task = ""
+        self.timing = {"generate_s": 0.0, "env_s": 0.0}
+        self.template_error = ""
+
+    def end(self, status: Status, reason: str = "") -> None:
+        if self.status is None:
+            self.status, self.reason = status, reason
+
+    async def _env_call(self, what: str, coro: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await coro
+        except Exception as err:
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            self.end("failed", f"env {what} raised {type(err).__name__}: {err} ({frame.filename}:{frame.lineno})")
+            return None
+        finally:
+            self.timing["env_s"] += time.perf_counter() - start
+
+    async def play(self) -> None:
+        m, env = self.m, self.env
+        reset = await self._env_call("reset", env.areset(seed=self.seed))
+        if reset is None:
+            return
+        obs, info = reset
+        self.infos.append(info)
+        try:
+            messages = env.format_observation(obs)
+            self.task = _task_text(messages)
+            self.conv = ConversationTokens.start(m.loaded, messages, getattr(env, "tool_schemas", None) or None)
+        except (TemplateError, ValueError) as err:
+            self.end("failed", f"could not render the prompt: {err}")
+            return
+        while self.status is None:
+            budget = m.limits.max_total_tokens - len(self.conv.token_ids)
+            if budget <= 0:
+                self.end("truncated", "token_budget")
+                return
+            sampling = m.sampling
+            if budget < sampling.max_new_tokens:
+                sampling = _with_max_new(sampling, budget)
+            request = GenerateRequest(
+                input_ids=list(self.conv.token_ids),
+                sampling=sampling,
+                images=[x for x in self.conv.media if not isinstance(x, tuple)],
+                audios=[x for x in self.conv.media if isinstance(x, tuple)],
+                mm_inputs=self.conv.engine_media() or None,
+                rid=f"{self.group_id}/{id(self)}/{self.conv.turns}",
+            )
+            start = time.perf_counter()
+            try:
+                out = await m.engine.generate(request)
+            except (EngineError, OSError) as err:
+                self.end("aborted", f"engine: {err}")
+                return
+            finally:
+                self.timing["generate_s"] += time.perf_counter() - start
+            action = self.conv.append_generation(out.output_ids, out.logprobs, out.weight_version, m.eos_ids)
+            if out.finish_reason == "abort":
+                self.end("aborted", "engine aborted the request")
+                return
+            if out.finish_reason == "length":
+                self.end("truncated", "token_budget" if sampling is not m.sampling else "max_new_tokens")
+                return
+            stepped = await self._env_call("step", env.astep(action))
+            if stepped is None:
+                return
+            obs, reward, terminated, truncated, info = stepped
+            self.step_rewards.append(float(reward))
+            self.infos.append(info)
+            if terminated:
+                self.end("completed")
+                return
+            if truncated:
+                self.end("truncated", str(info.get("truncated_by", "env")))
+                return
+            if self.conv.turns >= m.limits.max_turns:
+                self.end("truncated", "max_turns")
+                return
+            try:
+                self.conv.append_observation(env.format_observation(obs))
+            except (TemplateError, ValueError) as err:
+                self.end("failed", f"could not render the observation: {err}")
+
+    def trajectory(self) -> Trajectory:
+        conv = self.conv
+        metrics: dict[str, Any] = {
+            **{k: round(v, 6) for k, v in self.timing.items()},
+            "turns": conv.turns if conv else 0,
+            "tool_calls": sum(int(i.get("tool_calls", 0)) for i in self.infos[-1:]),
+            "tool_errors": sum(int(i.get("tool_errors", 0)) for i in self.infos[-1:]),
+        }
+        reward_status = (self.infos[-1].get("reward") or {}).get("status") if self.infos else None
+        if reward_status:
+            metrics["reward_status"] = reward_status
+        if conv is not None and self.m.limits.check_rerender and conv.turns:
+            diff = conv.rerender_diff()
+            metrics["rerender_match"] = diff is None
+            if diff is not None:
+                metrics["rerender_first_diff"] = diff
+        traj = Trajectory(
+            token_ids=conv.token_ids if conv else [],
+            prompt_len=conv.prompt_len if conv else 0,
+            loss_mask=conv.loss_mask if conv else [],
+            rollout_logprobs=conv.logprobs if conv else [],
+            versions=conv.versions if conv else [],
+            reward=float(sum(self.step_rewards)),
+            step_rewards=self.step_rewards,
+            status=self.status or "aborted",
+            status_reason=self.reason,
+            group_id=self.group_id,
+            env_id=self.env_id,
+            task=self.task,
+            segments=conv.segments if conv else [],
+            media=conv.media if conv else [],
+            mm_inputs=conv.engine_media() if conv else {},
+            metrics=metrics,
+            infos=self.infos,
+            seed=self.seed,
+        )
+        traj.check()
+        return traj
+
+
+def _with_max_new(sampling: SamplingParams, n: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sampling, max_new_tokens=n)
+
+
+def _task_text(messages: Sequence[dict[str, Any]]) -> str:
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
+        return ""
+    return " ".join(p["text"] for p in users[-1]["content"] if p["type"] == "text")[:500]

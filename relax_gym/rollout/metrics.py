@@ -1,0 +1,39 @@
+"""Per-env rollout metrics: what a run did, where its time went, and what failed."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from statistics import fmean
+from typing import Any
+
+from relax_gym.trajectory import Trajectory
+
+
+def _kind(reason: str) -> str:
+    """The stable part of a failure reason ("env step raised ValueError: ..." -> "env step raised ValueError")."""
+    return reason.split(":", 1)[0] if reason else ""
+
+
+def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
+    by_env: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_env[t.env_id].append(t)
+    out = {}
+    for env_id, trajs in sorted(by_env.items()):
+        m = [t.metrics for t in trajs]
+        out[env_id] = {
+            "episodes": len(trajs),
+            "reward_mean": fmean(t.reward for t in trajs),
+            "status": dict(Counter(t.status for t in trajs)),
+            "failures": dict(Counter(_kind(t.status_reason) for t in trajs if t.status in ("failed", "aborted"))),
+            "truncations": dict(Counter(t.status_reason for t in trajs if t.status == "truncated")),
+            "turns_mean": fmean(x.get("turns", 0) for x in m),
+            "tool_calls_mean": fmean(x.get("tool_calls", 0) for x in m),
+            "tokens_mean": fmean(len(t.token_ids) for t in trajs),
+            "generated_tokens_mean": fmean(t.num_generated for t in trajs),
+            "generate_s": sum(x.get("generate_s", 0.0) for x in m),
+            "env_s": sum(x.get("env_s", 0.0) for x in m),
+            "rerender_mismatches": sum(1 for x in m if x.get("rerender_match") is False),
+        }
+    return out

@@ -1,0 +1,55 @@
+"""`relax-gym rollout`: episodes from an env id and a model to a JSONL file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from relax_gym.engines.base import Engine, SamplingParams
+from relax_gym.models import load_model
+from relax_gym.rollout.manager import RolloutLimits, RolloutManager
+from relax_gym.rollout.metrics import summarize
+from relax_gym.trajectory import Trajectory
+
+
+def make_engine(loaded: Any, engine_url: str | None) -> Engine:
+    if engine_url:
+        from relax_gym.engines.sglang import SGLangEngine
+
+        return SGLangEngine(engine_url)
+    from relax_gym.engines.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(loaded)
+
+
+async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: str | Path, seed: int = 0,
+                          engine_url: str | None = None, env_kwargs: dict[str, Any] | None = None,
+                          temperature: float = 1.0, max_new_tokens: int = 128, max_turns: int = 8,
+                          max_total_tokens: int = 4096, concurrency: int = 256) -> dict[str, dict[str, Any]]:
+    """Runs `n` groups of `group` episodes; each group is written (and flushed) as soon as it finishes."""
+    loaded = load_model(model)
+    engine = make_engine(loaded, engine_url)
+    manager = RolloutManager(
+        engine, loaded,
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens),
+        limits=RolloutLimits(max_turns=max_turns, max_total_tokens=max_total_tokens),
+        max_concurrency=concurrency,
+    )
+    done: list[Trajectory] = []
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+
+        def write(group_trajs: list[Trajectory]) -> None:
+            for t in group_trajs:
+                f.write(json.dumps(t.to_json(), ensure_ascii=False) + "\n")
+            f.flush()
+            done.extend(group_trajs)
+
+        try:
+            await manager.run(env_id, n, group, seed=seed, env_kwargs=env_kwargs, on_group=write)
+        finally:
+            await manager.close()
+            await engine.close()
+    return summarize(done)

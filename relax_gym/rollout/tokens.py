@@ -1,0 +1,167 @@
+"""Exact token bookkeeping for one conversation: strict append, never re-tokenize.
+
+Generated tokens are kept exactly as the engine produced them. Environment
+turns are appended as the chat-template delta: the new messages rendered after
+a fixed stand-in prefix (same system/tools header, a placeholder user and
+assistant turn), minus that prefix. Because the prefix never contains the real
+history, a template that rewrites earlier turns (e.g. strips old `<think>`
+blocks) cannot break the append; `rerender_diff` then measures how far the
+appended sequence is from a full re-render and the manager reports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from relax_gym.messages import Message, message
+from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render, sequence_inputs
+from relax_gym.trajectory import Segment
+
+_MARK = "\u2063RELAX\u2063"  # an invisible separator pair no template emits on its own
+
+
+class TemplateError(ValueError):
+    """The chat template does not behave as strict appending requires (named with the evidence)."""
+
+
+def _media_of(messages: list[Message]) -> list[Any]:
+    out: list[Any] = []
+    for msg in messages:
+        for part in msg["content"]:
+            if part["type"] == "image":
+                out.append(part["image"])
+            elif part["type"] == "audio":
+                out.append((part["audio"], part["sampling_rate"]))
+    return out
+
+
+def _encode(loaded: LoadedModel, text: str, messages: list[Message]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """Token ids of `text` whose media placeholders belong to `messages`, plus their features."""
+    out = encode(loaded, text, messages)
+    return out["input_ids"][0].tolist(), {k: out[k] for k in MEDIA_KEYS if k in out}
+
+
+@dataclass
+class ConversationTokens:
+    """One episode's tokens with per-token mask, logprobs and versions, kept in step with its messages."""
+
+    loaded: LoadedModel
+    tools: list[dict[str, Any]] | None
+    messages: list[Message]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    media: list[Any] = field(default_factory=list)
+    media_features: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    prompt_len: int = 0
+    turns: int = 0
+
+    @classmethod
+    def start(cls, loaded: LoadedModel, messages: list[Message], tools: list[dict[str, Any]] | None = None):
+        conv = cls(loaded, tools or None, list(messages))
+        text = chat_text(loaded, conv.messages, tools=conv.tools, add_generation_prompt=True)
+        ids, features = _encode(loaded, text, conv.messages)
+        conv._append(ids, "prompt", text, conv.messages, features)
+        conv.prompt_len = len(ids)
+        return conv
+
+    # --- appending ----------------------------------------------------------------
+    def _append(self, ids: list[int], kind: str, text: str, new_messages: list[Message],
+                features: dict[str, torch.Tensor]) -> None:
+        start = len(self.token_ids)
+        first_media = len(self.media)
+        self.media += _media_of(new_messages)
+        if features:
+            self.media_features.append(features)
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.segments.append(Segment(kind, start, len(self.token_ids), self.turns, text,  # type: ignore[arg-type]
+                                     list(range(first_media, len(self.media)))))
+
+    def append_generation(self, output_ids: list[int], logprobs: list[float], version: int,
+                          eos_ids: set[int]) -> str:
+        """Adds the policy's tokens (trained) and returns the assistant text the env receives."""
+        if len(output_ids) != len(logprobs):
+            raise ValueError(f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
+        self.turns += 1
+        start = len(self.token_ids)
+        self.token_ids += output_ids
+        self.loss_mask += [1] * len(output_ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.versions += [version] * len(output_ids)
+        body = output_ids[:-1] if output_ids and output_ids[-1] in eos_ids else output_ids
+        content = self.loaded.tokenizer.decode(body, skip_special_tokens=False)
+        full = self.loaded.tokenizer.decode(output_ids, skip_special_tokens=False)
+        self.segments.append(Segment("policy", start, len(self.token_ids), self.turns, full))
+        self.messages.append(message("assistant", content))
+        return content
+
+    def append_observation(self, new_messages: list[Message]) -> int:
+        """Closes the assistant turn and appends the env's messages with the next assistant header."""
+        glue = self._closing_glue()
+        if glue:
+            ids, _ = _encode(self.loaded, glue, [])
+            self._append(ids, "glue", glue, [], {})
+        if not new_messages:
+            return len(glue)
+        delta = self._delta_text(new_messages)
+        ids, features = _encode(self.loaded, delta, new_messages)
+        self._append(ids, "env", delta, new_messages, features)
+        self.messages += new_messages
+        return len(ids)
+
+    # --- template probes ----------------------------------------------------------
+    def _stand_in(self) -> list[Message]:
+        head = [self.messages[0]] if self.messages and self.messages[0]["role"] == "system" else []
+        return [*head, message("user", "x"), message("assistant", "x")]
+
+    def _closing_glue(self) -> str:
+        """What the template writes after an assistant's content, less what the policy already wrote."""
+        probe = [*self._stand_in()[:-1], message("assistant", _MARK)]
+        rendered = chat_text(self.loaded, probe, tools=self.tools, add_generation_prompt=False)
+        if rendered.count(_MARK) != 1:
+            raise TemplateError("the chat template does not render assistant content verbatim")
+        after = rendered.split(_MARK, 1)[1]
+        generated_tail = self.segments[-1].text[len(self.messages[-1]["content"][0]["text"]):]
+        if generated_tail and after.startswith(generated_tail):
+            return after[len(generated_tail):]
+        return after
+
+    def _delta_text(self, new_messages: list[Message]) -> str:
+        base = self._stand_in()
+        before = chat_text(self.loaded, base, tools=self.tools, add_generation_prompt=False)
+        after = chat_text(self.loaded, base + new_messages, tools=self.tools, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise TemplateError(
+                "the chat template rewrites earlier turns when messages are appended; "
+                f"rendered prefix {before[-80:]!r} is not a prefix of {after[len(before) - 80:len(before) + 80]!r}"
+            )
+        return after[len(before):]
+
+    # --- outputs ------------------------------------------------------------------
+    def engine_media(self) -> dict[str, torch.Tensor]:
+        """Processor outputs of every image / clip so far, concatenated in turn order."""
+        return {k: torch.cat([f[k] for f in self.media_features if k in f])
+                for k in MEDIA_KEYS if any(k in f for f in self.media_features)}
+
+    def model_inputs(self) -> Any:
+        return sequence_inputs(self.loaded, self.token_ids, self.media_features)
+
+    def rerender_diff(self) -> int | None:
+        """Index of the first token where a full re-render differs from the appended sequence, or None."""
+        ended_by_policy = self.segments[-1].kind == "policy"
+        rendered = render(self.loaded, self.messages, tools=self.tools, add_generation_prompt=not ended_by_policy)
+        ours = self.token_ids
+        if ended_by_policy:  # the re-render closes the last turn with template glue we never appended
+            rendered = rendered[: len(ours)]
+        for i, (a, b) in enumerate(zip(ours, rendered, strict=False)):
+            if a != b:
+                return i
+        return None if len(ours) == len(rendered) else min(len(ours), len(rendered))

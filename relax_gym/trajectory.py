@@ -1,0 +1,144 @@
+"""The trajectory record: one episode, its exact tokens, and what training needs.
+
+Field meanings are fixed by DESIGN.md (Trajectory contract). `segments` mark
+which token ranges came from the prompt, the policy, or the environment, so a
+viewer or a debugger can show turns without re-tokenizing anything. In JSONL,
+images and audio are stored once as base64 PNG / WAV in `media` (turn order);
+the processor outputs in `mm_inputs` are tensors kept in memory only, since the
+processor recomputes them from `media` deterministically.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+Status = Literal["completed", "truncated", "aborted", "failed"]
+SegmentKind = Literal["prompt", "policy", "env", "glue"]
+
+
+@dataclass
+class Segment:
+    """Tokens [start, end) of one kind; `turn` counts policy turns (0 = before the first)."""
+
+    kind: SegmentKind
+    start: int
+    end: int
+    turn: int
+    text: str = ""
+    #: indices into `Trajectory.media` of the images / clips this segment brought in
+    media: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    versions: list[int]
+    reward: float
+    step_rewards: list[float]
+    status: Status
+    status_reason: str = ""
+    group_id: str = ""
+    env_id: str = ""
+    task: str = ""
+    segments: list[Segment] = field(default_factory=list)
+    #: images (PIL) and audio ((waveform, rate)) in the order they entered the conversation
+    media: list[Any] = field(default_factory=list)
+    #: processor outputs for `media`, concatenated in turn order (tensors; not serialised)
+    mm_inputs: dict[str, Any] = field(default_factory=dict)
+    #: env infos, per-turn timings, tool counts, template-delta mismatches, ...
+    metrics: dict[str, Any] = field(default_factory=dict)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    seed: int | None = None
+
+    def check(self) -> None:
+        """Raises ValueError when the per-token fields disagree; cheap enough to run on every record."""
+        n = len(self.token_ids)
+        lengths = {k: len(getattr(self, k)) for k in ("loss_mask", "rollout_logprobs", "versions")}
+        if any(v != n for v in lengths.values()):
+            raise ValueError(f"per-token fields differ in length from token_ids ({n}): {lengths}")
+        if any(m for m in self.loss_mask[: self.prompt_len]):
+            raise ValueError("loss_mask has trained tokens inside the prompt")
+        for i, (m, lp, v) in enumerate(zip(self.loss_mask, self.rollout_logprobs, self.versions, strict=True)):
+            if m == 0 and (lp != 0.0 or v != -1):
+                raise ValueError(f"token {i} is masked but has logprob {lp} / version {v} (expected 0.0 / -1)")
+            if m == 1 and v < 0:
+                raise ValueError(f"token {i} is trained but has no policy version")
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def min_version(self) -> int | None:
+        trained = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(trained) if trained else None
+
+    # --- JSON -------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mm_inputs", "media", "segments")}
+        out["segments"] = [asdict(s) for s in self.segments]
+        out["media"] = [encode_media(m) for m in self.media]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Trajectory:
+        data = dict(data)
+        data["segments"] = [Segment(**s) for s in data.get("segments", [])]
+        data["media"] = [decode_media(m) for m in data.get("media", [])]
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def encode_media(item: Any) -> dict[str, Any]:
+    buf = io.BytesIO()
+    if isinstance(item, Image.Image):
+        item.save(buf, format="PNG")
+        return {"type": "image", "png_b64": base64.b64encode(buf.getvalue()).decode()}
+    import soundfile
+
+    wave, rate = item
+    soundfile.write(buf, np.asarray(wave, dtype=np.float32), int(rate), format="WAV", subtype="PCM_16")
+    return {"type": "audio", "wav_b64": base64.b64encode(buf.getvalue()).decode(), "sampling_rate": int(rate)}
+
+
+def decode_media(item: dict[str, Any]) -> Any:
+    if item["type"] == "image":
+        img = Image.open(io.BytesIO(base64.b64decode(item["png_b64"])))
+        img.load()
+        return img
+    import soundfile
+
+    wave, rate = soundfile.read(io.BytesIO(base64.b64decode(item["wav_b64"])), dtype="float32")
+    return wave, int(rate)
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
+    """Writes records atomically enough for a crash mid-run: one flushed line per trajectory."""
+    count = 0
+    with Path(path).open("w", encoding="utf-8") as f:
+        for traj in trajectories:
+            f.write(json.dumps(traj.to_json(), ensure_ascii=False) + "\n")
+            f.flush()
+            count += 1
+    return count
+
+
+def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield Trajectory.from_json(json.loads(line))
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise ValueError(f"{path}:{lineno}: not a trajectory record: {err}") from err
