@@ -1,0 +1,65 @@
+import pytest
+
+from relax_gym.trainer.config import ConfigError, load_config
+
+BASE = """
+run_dir: runs/x
+envs:
+  - id: relax/Arithmetic-v0
+    kwargs: {digits: 1}
+trainer:
+  total_steps: 5
+"""
+
+
+@pytest.fixture
+def base(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(BASE)
+    return path
+
+
+def test_loads_with_defaults_and_overrides(base):
+    cfg = load_config(base, ["trainer.lr=3e-4", "rollout.group_size=4", "envs.0.kwargs.digits=2",
+                             "trainer.backend=megatron"])
+    assert cfg.trainer.lr == 3e-4 and cfg.rollout.group_size == 4
+    assert cfg.envs[0].kwargs == {"digits": 2}
+    assert cfg.trainer.backend == "megatron"
+    assert cfg.algorithm.name == "grpo"
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("trainer.lerning_rate=1", "unknown key 'trainer.lerning_rate'"),
+        ("trainer.lrr=1", "Did you mean 'trainer.lr'"),
+        ("rollout.group_szie=2", "Did you mean 'rollout.group_size'"),
+        ("algoritm.name=grpo", "Did you mean 'algorithm'"),
+        ("trainer.total_steps=many", "trainer.total_steps"),
+        ("trainer.backend=jax", "trainer.backend"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("envs.0.kwarg={}", "Did you mean 'envs.0.kwargs'"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(base, override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(base, [override])
+    assert needle in str(err.value)
+
+
+def test_structural_errors_are_clear(tmp_path, base):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("envs: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(base, ["no_equals_sign"])
+    with pytest.raises(ConfigError, match="engine_url"):
+        load_config(base, ["rollout.engine=sglang"])
+
+
+def test_sync_mode_is_on_policy(base):
+    cfg = load_config(base, ["trainer.mode=sync", "trainer.max_staleness=3"])
+    assert cfg.trainer.max_staleness == 0

@@ -1,0 +1,89 @@
+"""What a training backend provides, and the data it is given.
+
+Backends only compute per-token logprobs (+ entropy), take optimizer steps
+with a loss function they are handed, export weights under Hugging Face names
+for the inference engine, and checkpoint. Everything algorithmic lives in
+`relax_gym.trainer.algorithms` as pure functions, so torch and Megatron train
+with the same maths.
+
+Alignment: for a sequence of T tokens, per-token arrays have length T and
+position t refers to token t given tokens < t; position 0 (no context) is 0.
+This matches `Trajectory.rollout_logprobs` and `loss_mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One trajectory as the trainer consumes it."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    advantage: float = 0.0
+    #: processor outputs for this sample's images / audio (pixel_values, image_grid_thw, input_features, ...)
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: filled by the loop before the update when the algorithm needs them (per token, aligned as above)
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    teacher_logprobs: list[float] | None = None
+    #: per-token policy versions (-1 where masked), for staleness metrics
+    versions: list[int] | None = None
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded [B, T] tensors for one forward/backward; `mask` is loss_mask with padding zeroed."""
+
+    logprobs: torch.Tensor  # with grad
+    entropy: torch.Tensor | None
+    mask: torch.Tensor
+    advantages: torch.Tensor  # per token (the sample's advantage broadcast over its tokens)
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    teacher_logprobs: torch.Tensor | None
+    #: totals over the WHOLE optimizer step (all micro-batches, all ranks), so per-micro-batch losses
+    #: normalised by them sum to the step's mean exactly, whatever the micro-batching
+    step_tokens: int
+    step_sequences: int
+
+
+#: (micro-batch) -> (loss to backpropagate, metrics summed over the step by the backend)
+LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class LogprobOutput:
+    logprobs: torch.Tensor  # [T]
+    entropy: torch.Tensor | None = None  # [T]
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    #: number of optimizer steps taken (the policy version)
+    version: int
+
+    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> list[LogprobOutput]:
+        """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """Forward/backward over micro-batches (token budget), clip, one optimizer step; version += 1."""
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Current weights under the Hugging Face names the engine's model uses (CPU tensors)."""
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Model, optimizer, RNG states and the caller's `extra` (e.g. data position)."""
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores what `save_checkpoint` wrote and returns `extra`."""

@@ -1,0 +1,183 @@
+"""The training config: YAML + `key=value` overrides, validated by pydantic.
+
+A misspelt or ill-typed key is an error that names the key's full path and
+the closest valid key, before anything expensive starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EnvConfig(_Strict):
+    id: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: kwargs for held-out evaluation (e.g. {split: test}); merged over `kwargs`
+    eval_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["embedded", "sglang"] = "embedded"
+    engine_url: str | None = None
+    group_size: int = Field(8, ge=1)
+    groups_per_step: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(128, ge=1)
+    max_turns: int = Field(8, ge=1)
+    max_total_tokens: int = Field(4096, ge=16)
+    concurrency: int = Field(256, ge=1)
+    episode_timeout_s: float = Field(600.0, gt=0)
+    #: batch size of the embedded engine; 1 makes generation independent of request timing
+    engine_max_batch_size: int = Field(64, ge=1)
+
+
+class AlgorithmSection(_Strict):
+    name: Literal["grpo", "gspo", "sapo", "distill"] = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float | None = None
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    std_normalize: bool = True
+    filter_uniform_groups: bool = False
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    mis_low: float | None = None
+    mis_high: float | None = None
+    mis_level: Literal["token", "sequence"] = "token"
+    #: recompute old logprobs with the trainer (ratio against them); else use the engine's
+    recompute_old_logprobs: bool = True
+    #: a model (tiny name or folder) whose logprobs are the distillation target
+    teacher: str | None = None
+
+
+class MegatronSection(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+
+class TrainerSection(_Strict):
+    backend: Literal["torch", "megatron"] = "torch"
+    mode: Literal["sync", "async"] = "async"
+    max_staleness: int = Field(1, ge=0)
+    total_steps: int = Field(100, ge=1)
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(4096, ge=16)
+    checkpoint_every: int = Field(20, ge=1)
+    eval_every: int = Field(0, ge=0)
+    eval_tasks: int = Field(32, ge=1)
+    megatron: MegatronSection = Field(default_factory=MegatronSection)
+
+
+class TrainConfig(_Strict):
+    run_dir: str = "runs/default"
+    seed: int = 0
+    #: tiny | tiny-vl | tiny-audio | a local HF checkpoint folder
+    model: str = "tiny"
+    envs: list[EnvConfig]
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.trainer.mode == "sync" and self.trainer.max_staleness != 0:
+            self.trainer.max_staleness = 0  # sync is on-policy by definition
+        if self.rollout.engine == "sglang" and not self.rollout.engine_url:
+            raise ValueError("rollout.engine=sglang needs rollout.engine_url")
+        if self.algorithm.name == "distill" and not self.algorithm.teacher:
+            raise ValueError("algorithm.name=distill needs algorithm.teacher")
+        return self
+
+
+class ConfigError(ValueError):
+    """The config file or an override is wrong; the message names the key."""
+
+
+def _model_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: Any = TrainConfig
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        inner = getattr(annotation, "__args__", None)
+        model = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return model
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "config"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            valid = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            prefix = ".".join(str(p) for p in loc[:-1])
+            hint = f" Did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+            lines.append(f"unknown key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict | list):
+            raise ConfigError(f"override {dotted!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = nxt
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Reads YAML, applies `a.b.c=value` overrides (values parsed as YAML), validates."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: not valid YAML: {err}") from err
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None

@@ -1,0 +1,107 @@
+"""The data bus between rollouts and the trainer, and the staleness guarantee.
+
+Policy version v = optimizer steps taken. A group's staleness when consumed at
+version v is `v - min(version of any generated token in it)`. `max_staleness = k`
+is kept by admission control: a new group may start only while
+`started - discarded < (v + k + 1) * groups_per_step`, so nothing is generated
+only to be thrown away; groups that are discarded anyway (still too stale
+after finishing, or filtered, e.g. all-equal rewards) free their slot so the
+trainer can never starve. A hard filter at consumption drops and counts any
+group that exceeds k. k = 0 admits exactly one step's groups at a time: the
+synchronous schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+from relax_gym.trajectory import Trajectory
+
+Group = list[Trajectory]
+
+
+def group_staleness(group: Group, version: int) -> int:
+    """Staleness of a group consumed at `version`; a group with no generated token is fresh."""
+    oldest = [v for t in group if (v := t.min_version()) is not None]
+    return version - min(oldest) if oldest else 0
+
+
+class DataBus:
+    def __init__(self, groups_per_step: int, max_staleness: int,
+                 keep: Callable[[Group], bool] | None = None):
+        if groups_per_step < 1 or max_staleness < 0:
+            raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.keep = keep or (lambda group: True)
+        self.version = 0
+        self.started = 0
+        self.discarded = 0
+        self.dropped_stale = 0
+        self.filtered = 0
+        self.staleness_histogram: Counter[int] = Counter()
+        self._ready: list[Group] = []
+        self._changed = asyncio.Condition()
+        self.closed = False
+
+    # --- producer side ----------------------------------------------------------------
+    def _may_start(self) -> bool:
+        return self.started - self.discarded < (self.version + self.max_staleness + 1) * self.groups_per_step
+
+    async def admit(self) -> bool:
+        """Waits until a new group may start; False once the bus is closed."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.closed or self._may_start())
+            if self.closed:
+                return False
+            self.started += 1
+            return True
+
+    async def put(self, group: Group) -> None:
+        async with self._changed:
+            self._ready.append(group)
+            self._changed.notify_all()
+
+    async def cancel_started(self) -> None:
+        """A started group that will never arrive (its task failed before producing a record)."""
+        async with self._changed:
+            self.discarded += 1
+            self._changed.notify_all()
+
+    # --- consumer side ----------------------------------------------------------------
+    async def take(self) -> list[Group]:
+        """The next `groups_per_step` groups that pass the staleness filter and `keep`, oldest first."""
+        batch: list[Group] = []
+        while len(batch) < self.groups_per_step:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self.closed or self._ready)
+                if not self._ready:
+                    raise EOFError("the data bus closed before a full step's groups arrived")
+                group = self._ready.pop(0)
+                staleness = group_staleness(group, self.version)
+                if staleness > self.max_staleness:
+                    self.dropped_stale += 1
+                    self.discarded += 1
+                    self._changed.notify_all()
+                    continue
+                if not self.keep(group):
+                    self.filtered += 1
+                    self.discarded += 1
+                    self._changed.notify_all()
+                    continue
+            self.staleness_histogram[staleness] += 1
+            batch.append(group)
+        return batch
+
+    async def advance(self, version: int) -> None:
+        """The trainer finished a step: new groups may start under the new version."""
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        async with self._changed:
+            self.closed = True
+            self._changed.notify_all()
