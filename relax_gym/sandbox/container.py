@@ -1,0 +1,278 @@
+"""Run code in a fresh container per run, through the Docker SDK (Docker, or podman's Docker API)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import tarfile
+import threading
+import time
+from collections.abc import Iterable
+
+import docker
+import docker.errors
+import requests
+from docker.models.containers import Container
+from docker.types import CancellableStream, LogConfig, Ulimit
+
+from relax_gym.sandbox.config import SandboxConfig
+from relax_gym.sandbox.output import CappedOutput
+from relax_gym.sandbox.result import ExecResult, SandboxError, SandboxUnavailableError
+
+logger = logging.getLogger(__name__)
+
+PODMAN_SOCKET = "unix:///run/podman/podman.sock"
+DOCKER_SOCKET = "unix:///var/run/docker.sock"
+
+_PING_TIMEOUT_S = 5.0
+# Bound on each control call (create, put_archive, start, kill, remove): a hung
+# engine must fail a run, not hang a rollout worker forever.
+_API_TIMEOUT_S = 60.0
+# How long to wait for a container to be reaped after its output ended or it was killed.
+_GRACE_S = 15.0
+# Connections kept per client: each concurrent run holds one stream and makes
+# control calls, and urllib3 discards (and logs) connections past its pool size.
+_POOL_SIZE = 64
+
+# The code (and stdin) go in as files, put with put_archive into the created
+# container's own layer before it starts, then run from there. Not `python3 -c
+# CODE`: one argument is capped at 128 KiB by the kernel (MAX_ARG_STRLEN). Not
+# into /scratch: that tmpfs is mounted at start and would hide them. /sandbox
+# stays read-only during the run, so the code cannot rewrite itself; stdin as a
+# file means no interactive stdin stream has to be held open and half-closed.
+_CODE_DIR = "sandbox"
+_COMMAND = ["/bin/sh", "-c", f"exec python3 -u /{_CODE_DIR}/main.py < /{_CODE_DIR}/stdin"]
+
+_NOFILE = 256
+# nproc is per uid across the whole host, and every sandbox shares the same
+# uid: a limit near `pids` would let one fork bomb block its neighbours from
+# starting. The per-container bound is pids_limit; this one must be passed
+# anyway (podman fails start with "error setting rlimit type 6" without it)
+# and may not exceed containers.conf's default of 1024 here.
+_NPROC = 1024
+
+
+def candidate_urls(config: SandboxConfig) -> list[str]:
+    """Engines to try, in order: the configured one only, else DOCKER_HOST, podman's socket, Docker's."""
+    if config.docker_url:
+        return [config.docker_url]
+    urls = [os.environ["DOCKER_HOST"]] if os.environ.get("DOCKER_HOST") else []
+    return urls + [url for url in (PODMAN_SOCKET, DOCKER_SOCKET) if url not in urls]
+
+
+def _connect(config: SandboxConfig) -> tuple[str, str]:
+    """The first engine URL that answers a ping, and its API version."""
+    reasons = []
+    for url in candidate_urls(config):
+        if url.startswith("unix://") and not os.path.exists(url.removeprefix("unix://")):
+            reasons.append(f"{url}: no such socket")
+            continue
+        try:
+            probe = docker.DockerClient(base_url=url, timeout=_PING_TIMEOUT_S)
+        except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+            reasons.append(f"{url}: {exc}")
+            continue
+        try:
+            probe.ping()
+            return url, probe.api.api_version
+        except (docker.errors.DockerException, requests.RequestException, OSError) as exc:
+            reasons.append(f"{url}: {exc}")
+        finally:
+            probe.close()
+    raise SandboxUnavailableError("no Docker-API engine answered: " + "; ".join(reasons))
+
+
+class ContainerBackend:
+    """Runs each piece of code in a fresh, locked-down container.
+
+    Network off, a memory limit with no swap beyond it, pids, CPU share, read-only root
+    with size-capped tmpfs /scratch (workdir) and /tmp, non-root user, no
+    capabilities, no-new-privileges, nofile/nproc ulimits, capped logs, a
+    wall-clock kill and a client-side output cap. Raises
+    SandboxUnavailableError at construction when no engine answers or the
+    image is missing, so the caller can choose a fallback.
+    """
+
+    name = "container"
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self._config = config
+        self.url, version = _connect(config)
+        self._client = docker.DockerClient(
+            base_url=self.url, version=version, timeout=_API_TIMEOUT_S, max_pool_size=_POOL_SIZE
+        )
+        # Output streams get their own client without a read timeout: code that
+        # is silent for longer than any API timeout must not end its stream;
+        # the wall-clock kill bounds how long a stream can stay open.
+        self._streams = docker.DockerClient(base_url=self.url, version=version, timeout=None, max_pool_size=_POOL_SIZE)
+        try:
+            self._client.images.get(config.image)
+        except docker.errors.ImageNotFound:
+            self.close()
+            raise SandboxUnavailableError(
+                f"engine {self.url} answers but has no image {config.image!r}: "
+                "build it with `bash scripts/build_sandbox_image.sh`"
+            ) from None
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            self.close()
+            raise SandboxUnavailableError(f"engine {self.url}: {exc}") from exc
+        self._create_kwargs = _create_kwargs(config)
+
+    def run(self, code: str, *, timeout_s: float, stdin: str | None) -> ExecResult:
+        started = time.monotonic()
+        try:
+            container = self._client.containers.create(self._config.image, _COMMAND, **self._create_kwargs)
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            raise SandboxError(f"could not create a sandbox container: {exc}") from exc
+        try:
+            output, exit_code, timed_out, killed = self._execute(container, code, stdin or "", timeout_s)
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            raise SandboxError(f"sandbox container failed: {exc}") from exc
+        finally:
+            _remove(container)
+        return ExecResult(
+            stdout=output.stdout,
+            stderr=output.stderr,
+            exit_code=exit_code,
+            timed_out=timed_out,
+            # Podman 4.3 on cgroup v1 reports State.OOMKilled=False even after an
+            # OOM kill, so read it off the exit status: a SIGKILL we did not send
+            # came from the kernel's OOM killer inside the memory cgroup.
+            oom_killed=exit_code == 137 and not killed,
+            output_truncated=output.truncated,
+            backend=self.name,
+            duration_s=time.monotonic() - started,
+            timeout_s=timeout_s,
+        )
+
+    def _execute(
+        self, container: Container, code: str, stdin: str, timeout_s: float
+    ) -> tuple[CappedOutput, int | None, bool, bool]:
+        """create → attach → start → read in a thread with a cap → on timeout/cap close, kill → wait.
+
+        This order avoids the engine hangs seen with podman: killing a
+        container whose output is still unread makes wait() hang, so the
+        stream is closed before the kill.
+        """
+        container.put_archive("/", _code_archive(code, stdin))
+        stream = self._streams.api.attach(container.id, stdout=True, stderr=True, stream=True, demux=True)
+        output = CappedOutput(self._config.output_limit_bytes)
+        try:
+            container.start()
+            reader = threading.Thread(target=_drain, args=(stream, output), name="sandbox-io", daemon=True)
+            reader.start()
+            reader.join(timeout_s)
+            timed_out = reader.is_alive()
+            killed = timed_out or output.truncated
+            if killed:
+                _close_stream(stream)
+                _kill(container)
+                reader.join(_GRACE_S)
+        finally:
+            _close_stream(stream)
+        return output, _wait(container), timed_out, killed
+
+    def close(self) -> None:
+        self._client.close()
+        self._streams.close()
+
+
+def _create_kwargs(config: SandboxConfig) -> dict:
+    memory = f"{config.memory_mb}m"
+    tmpfs = f"rw,nosuid,nodev,size={config.scratch_mb}m,mode=1777"
+    return {
+        "network_mode": "none",
+        "mem_limit": memory,
+        "memswap_limit": memory,  # equal to mem_limit: no swap on top of it
+        "pids_limit": config.pids,
+        "nano_cpus": int(config.cpus * 1e9),
+        "read_only": True,
+        # Podman adds /run and /var/tmp tmpfs of unbounded size to a read-only
+        # root; naming them here caps them too (/run stays root-owned, unwritable).
+        "tmpfs": {"/scratch": tmpfs, "/tmp": tmpfs, "/var/tmp": tmpfs, "/run": "rw,nosuid,nodev,size=1m"},
+        "working_dir": "/scratch",
+        "environment": {"HOME": "/scratch", "TMPDIR": "/tmp"},
+        "user": config.user,
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "ulimits": [
+            Ulimit(name="nofile", soft=_NOFILE, hard=_NOFILE),
+            Ulimit(name="nproc", soft=_NPROC, hard=_NPROC),
+        ],
+        # Output is read through attach; the engine's own log copy only needs to be bounded.
+        "log_config": LogConfig(type=LogConfig.types.JSON, config={"max-size": "1m"}),
+        "hostname": "sandbox",
+        "labels": {"relax_gym.sandbox": "1"},
+    }
+
+
+def _code_archive(code: str, stdin: str) -> bytes:
+    """A tar of /sandbox/{main.py,stdin}, read-only for everyone, without trailing padding.
+
+    tarfile pads archives to a 10 KiB record. Podman's put_archive pipes the
+    body into an untar helper that exits at the end-of-archive marker, so the
+    padding written after it fails at random with "passing bulk input to
+    subprocess: write |1: broken pipe" (6 of 60 puts here, podman 4.3). The archive
+    ends at the marker instead.
+    """
+    buffer = io.BytesIO()
+    now = int(time.time())
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        folder = tarfile.TarInfo(_CODE_DIR)
+        folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o555, now
+        tar.addfile(folder)
+        for name, text in (("main.py", code), ("stdin", stdin)):
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(f"{_CODE_DIR}/{name}")
+            info.size, info.mode, info.mtime = len(data), 0o444, now
+            tar.addfile(info, io.BytesIO(data))
+    # After close(), `offset` counts the members and the end-of-archive marker, not the padding.
+    return buffer.getvalue()[: tar.offset]
+
+
+def _drain(stream: Iterable[tuple[bytes | None, bytes | None]], output: CappedOutput) -> None:
+    """Read (stdout, stderr) frames until the stream ends or the output cap is reached."""
+    try:
+        for out, err in stream:
+            if out and not output.add(out, stderr=False):
+                return
+            if err and not output.add(err, stderr=True):
+                return
+    except (OSError, ValueError):
+        # The stream was closed under us (timeout or cap): that is how reading is cancelled.
+        return
+
+
+def _close_stream(stream: CancellableStream) -> None:
+    """Shut the stream's socket (this also wakes a blocked read), then release its HTTP response.
+
+    CancellableStream.close() alone leaves the response's file object holding
+    the socket's descriptor until garbage collection.
+    """
+    stream.close()
+    stream._response.close()
+
+
+def _kill(container: Container) -> None:
+    try:
+        container.kill()
+    except docker.errors.APIError as exc:
+        # It exited between the deadline and the kill.
+        logger.debug("kill of %s: %s", container.short_id, exc)
+
+
+def _wait(container: Container) -> int | None:
+    try:
+        return int(container.wait(timeout=_GRACE_S)["StatusCode"])
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        logger.warning("sandbox container %s did not report its exit: %s", container.short_id, exc)
+        _kill(container)
+        return None
+
+
+def _remove(container: Container) -> None:
+    try:
+        container.remove(force=True)
+    except (docker.errors.DockerException, requests.RequestException) as exc:
+        logger.warning("could not remove sandbox container %s (label relax_gym.sandbox=1): %s", container.short_id, exc)
