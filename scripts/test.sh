@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs on a fresh Debian machine, then runs it.
-# As root it also starts podman's Docker API and builds the sandbox image, so the
-# sandbox tests run against a real container engine; elsewhere they skip.
+# As root it also starts podman's Docker API, builds the sandbox image and installs Chromium,
+# so the sandbox and viewer tests run against the real engine and browser; elsewhere they skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test
@@ -9,6 +9,7 @@ bash scripts/setup_venv.sh test
 if [ "$(id -u)" = 0 ]; then
   export "$(bash scripts/start_podman.sh | tail -n 1)"
   bash scripts/build_sandbox_image.sh
+  bash scripts/install_browser.sh
 fi
 ruff check .
 python -m pytest "$@"
