@@ -25,9 +25,7 @@ from relax_gym.envs.datasets import DatasetError
 AudioSource = str | Path | bytes | bytearray | memoryview | Mapping[str, Any]
 
 
-def load_audio(
-    source: AudioSource, *, base_dir: Path | None = None, name: str = "audio"
-) -> tuple[np.ndarray, int]:
+def load_audio(source: AudioSource, *, base_dir: Path | None = None, name: str = "audio") -> tuple[np.ndarray, int]:
     """Decodes `source` to a (1-D float32 waveform in [-1, 1], sampling rate) pair at the file's own rate.
 
     Relative paths resolve against `base_dir` (the data file's folder); `name`
@@ -126,7 +124,7 @@ def _riff_truncation(data: bytes) -> str | None:
         return None
     offset = 12
     while offset + 8 <= len(data):
-        chunk_id, size = data[offset:offset + 4], struct.unpack("<I", data[offset + 4:offset + 8])[0]
+        chunk_id, size = data[offset : offset + 4], struct.unpack("<I", data[offset + 4 : offset + 8])[0]
         available = len(data) - offset - 8
         if chunk_id == b"data":
             if size != 0xFFFFFFFF and size > available:  # 0xFFFFFFFF: written by a streaming encoder

@@ -29,10 +29,7 @@ from relax_gym.tool_env import EpisodeOverError
 
 LETTERS = string.ascii_uppercase
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-INSTRUCTION = (
-    "Answer with the letter of the correct option inside <answer></answer>, "
-    "e.g. <answer>A</answer>."
-)
+INSTRUCTION = "Answer with the letter of the correct option inside <answer></answer>, e.g. <answer>A</answer>."
 
 # Field names accepted for each part of a record: ours first, then AVQA's (as in R1-AQA's jsonl).
 FIELDS: dict[str, tuple[str, ...]] = {

@@ -42,9 +42,7 @@ def validate(records: list[dict[str, Any]], source: Path) -> None:
         if not isinstance(record["reward_model"], dict) or "ground_truth" not in record["reward_model"]:
             raise DatasetError(f"{where}: reward_model needs a 'ground_truth'")
         if not isinstance(record["images"], list | tuple) or len(record["images"]) != 1:
-            raise DatasetError(
-                f"{where}: expected exactly one image in 'images', got {record['images']!r:.80}"
-            )
+            raise DatasetError(f"{where}: expected exactly one image in 'images', got {record['images']!r:.80}")
 
 
 def _user_text(prompt: Any) -> str:
@@ -100,6 +98,4 @@ def load_image(record: dict[str, Any], index: int, source: Path) -> Image.Image:
         with Image.open(io.BytesIO(origin) if isinstance(origin, bytes) else origin) as img:
             return img.convert("RGB")
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError...: all mean a bad file
-        raise DatasetError(
-            f"{source} record {index}: cannot read image {name}: {type(err).__name__}: {err}"
-        ) from err
+        raise DatasetError(f"{source} record {index}: cannot read image {name}: {type(err).__name__}: {err}") from err

@@ -115,9 +115,7 @@ class DeepEyesEnv(ToolEnv):
         if bbox_format not in _COORDINATES:
             raise ValueError(f"bbox_format must be 'absolute' or 'normalized', got {bbox_format!r}")
         if not 1 <= min_image_side <= max_image_side:
-            raise ValueError(
-                f"need 1 <= min_image_side <= max_image_side, got {min_image_side}, {max_image_side}"
-            )
+            raise ValueError(f"need 1 <= min_image_side <= max_image_side, got {min_image_side}, {max_image_side}")
         if not all(math.isfinite(w) for w in (acc_weight, format_weight, tool_weight)):
             raise ValueError("reward weights must be finite numbers")
         if judge is not None and not callable(judge):
@@ -140,9 +138,7 @@ class DeepEyesEnv(ToolEnv):
         if "index" in options:
             index = options["index"]
             if not isinstance(index, int | np.integer) or not 0 <= index < len(self.records):
-                raise ValueError(
-                    f"options['index'] must be an int in [0, {len(self.records)}), got {index!r}"
-                )
+                raise ValueError(f"options['index'] must be an int in [0, {len(self.records)}), got {index!r}")
             index = int(index)
         else:
             index, _ = pick(self.records, rng)
@@ -215,9 +211,7 @@ class DeepEyesEnv(ToolEnv):
         Args:
             angle: Degrees counter-clockwise: 90, 180 or 270.
         """
-        return self._show(
-            rotate(self.episode["view"], angle), f"Rotated by {angle} degrees counter-clockwise"
-        )
+        return self._show(rotate(self.episode["view"], angle), f"Rotated by {angle} degrees counter-clockwise")
 
     def _show(self, view: View, what: str) -> list[Part]:
         """Makes `view` current and returns it with a caption giving its place in the original image."""
@@ -245,9 +239,7 @@ class DeepEyesEnv(ToolEnv):
         w = self.weights
         total = w.accuracy * acc.score + w.format * fmt.score + w.tool * tool_bonus
         notes = [acc.detail, fmt.detail and f"format: {fmt.detail}"]
-        return RewardResult(
-            total, "ok", "; ".join(n for n in notes if n) or None, acc.extracted or prediction
-        )
+        return RewardResult(total, "ok", "; ".join(n for n in notes if n) or None, acc.extracted or prediction)
 
     @staticmethod
     def _match(task: dict[str, Any], answer: str) -> RewardResult:

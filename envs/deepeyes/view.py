@@ -114,9 +114,7 @@ def zoom(view: View, bbox: Sequence[float], *, normalized: bool, min_side: int, 
             f"each side needs at least {MIN_CROP_SIDE}, so draw a larger box"
         )
     if max(crop_w, crop_h) > MAX_ASPECT * min(crop_w, crop_h):
-        raise ValueError(
-            f"bbox_2d {list(bbox)} is too thin ({crop_w}x{crop_h}); keep it under {MAX_ASPECT}:1"
-        )
+        raise ValueError(f"bbox_2d {list(bbox)} is too thin ({crop_w}x{crop_h}); keep it under {MAX_ASPECT}:1")
     return {"box": box, "rotation": view["rotation"]}
 
 

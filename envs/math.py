@@ -1,0 +1,229 @@
+"""Math word and symbol problems, graded by equivalence with math-verify.
+
+Records come from the shipped synthetic set or a user's file in the
+dapo-math-17k layout (`prompt`: chat messages, `reward_model.ground_truth`),
+or the plainer `{"problem" | "question", "answer"}` layout, which gets the
+\\boxed{} instruction added. `MathEnv` asks once; `MathToolEnv` lets the model
+run Python in the sandbox first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, get_args
+
+import numpy as np
+
+from relax_gym.core import Env, StepResult
+from relax_gym.envs.datasets import DatasetError, load_records, pick, shipped_path
+from relax_gym.messages import Message, message
+from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
+from relax_gym.sandbox import Sandbox, SandboxConfig
+from relax_gym.spaces import MessageSpace
+from relax_gym.tool_env import EpisodeOverError, ToolEnv
+from relax_gym.tools import tool
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+TOOL_SYSTEM_PROMPT = (
+    "You can run Python code with the `python` tool; it shows you what the code prints. "
+    "When you know the answer, reply without a tool call and put the final answer within \\boxed{}."
+)
+PROMPT_ROLES = ("system", "user")
+Split = Literal["train", "test"]
+
+
+@dataclass(frozen=True)
+class MathTask:
+    """One problem: its prompt as (role, text) pairs and its exact answer."""
+
+    prompt: tuple[tuple[str, str], ...]
+    answer: str
+    index: int
+
+    def messages(self, system_prompt: str | None = None) -> list[Message]:
+        """Fresh message dicts on every call, so callers may keep or mutate what they get.
+
+        `system_prompt` goes before the record's own system text in one message:
+        chat templates accept a single system message, and only first.
+        """
+        turns = list(self.prompt)
+        if system_prompt:
+            if turns[0][0] == "system":
+                turns[0] = ("system", f"{system_prompt}\n\n{turns[0][1]}")
+            else:
+                turns.insert(0, ("system", system_prompt))
+        return [message(role, content) for role, content in turns]  # type: ignore[arg-type]
+
+
+def _prompt_turns(raw: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """A dapo-style `prompt` (a list of {role, content}) as (role, text) pairs; content may be a str or parts."""
+    if not isinstance(raw, list) or not raw:
+        raise DatasetError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {raw!r:.80}")
+    turns = []
+    for i, msg in enumerate(raw):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if role not in PROMPT_ROLES or not isinstance(content, str) or (role == "system" and i > 0):
+            raise DatasetError(
+                f"{where}: prompt[{i}] must be a {{'role': 'user' (or 'system' first), 'content': str}} message, "
+                f"got {msg!r:.120}"
+            )
+        turns.append((role, content))
+    return tuple(turns)
+
+
+def _gold(value: Any, where: str) -> str:
+    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float) or not str(value).strip():
+        raise DatasetError(f"{where}: the answer must be a non-empty string or number, got {value!r:.80}")
+    text = str(value).strip()
+    return text.rsplit("####", 1)[-1].strip() if "####" in text else text  # GSM8K puts the answer after '####'
+
+
+def parse_record(record: Any, index: int, source: str | Path) -> MathTask:
+    """Maps one record of either supported layout to a task, or raises DatasetError naming it."""
+    where = f"{source}: record {index}"
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = {k: v for k, v in record.items() if v is not None}  # parquet fills a row's absent columns with None
+    if "prompt" in record and "reward_model" in record:
+        reward_model = record["reward_model"]
+        if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+            raise DatasetError(f"{where}: 'reward_model' needs a 'ground_truth', got {reward_model!r:.80}")
+        return MathTask(_prompt_turns(record["prompt"], where), _gold(reward_model["ground_truth"], where), index)
+    question = record.get("problem") or record.get("question")
+    if isinstance(question, str) and question.strip() and "answer" in record:
+        return MathTask((("user", f"{question.strip()}\n\n{INSTRUCTION}"),), _gold(record["answer"], where), index)
+    raise DatasetError(
+        f"{where}: expected dapo-math fields 'prompt' + 'reward_model.ground_truth', or 'problem'/'question' + "
+        f"'answer'; the record has {sorted(record)}"
+    )
+
+
+def load_math_tasks(data_path: str | Path | None, split: str) -> list[MathTask]:
+    """Every record checked up front, so a bad one fails at `make` time rather than mid-training."""
+    if data_path is None:
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        data_path = shipped_path("math", f"{split}.jsonl")
+    records = load_records(data_path)
+    if not records:
+        raise DatasetError(f"{data_path}: the file has no records")
+    return [parse_record(r, i, data_path) for i, r in enumerate(records)]
+
+
+def _check_answer_format(answer_format: str) -> AnswerFormat:
+    """Fails at `make` time; inside the reward a bad format would only show up as error statuses."""
+    if answer_format not in get_args(AnswerFormat):
+        raise ValueError(f"answer_format must be one of {get_args(AnswerFormat)}, got {answer_format!r}")
+    return answer_format  # type: ignore[return-value]
+
+
+def _task_index(options: dict[str, Any] | None, n_tasks: int) -> int | None:
+    """`options={"index": i}` picks a task, for evaluation passes over the whole set."""
+    index = (options or {}).get("index")
+    if index is None:
+        return None
+    if not isinstance(index, int) or not 0 <= index < n_tasks:
+        raise ValueError(f"options['index'] must be an int in [0, {n_tasks}), got {index!r}")
+    return index
+
+
+class MathEnv(Env[list[Message]]):
+    """Single-turn math: answer in \\boxed{}, graded by math-verify equivalence.
+
+    `split` picks the shipped file and is ignored when `data_path` names the
+    user's own; `reset(options={"index": i})` poses task i.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
+
+    def __init__(
+        self,
+        data_path: str | Path | None = None,
+        split: Split = "train",
+        answer_format: AnswerFormat = "auto",
+        system_prompt: str | None = None,
+        timeout_s: float = 5.0,
+    ):
+        self.tasks = load_math_tasks(data_path, split)
+        self.answer_format = _check_answer_format(answer_format)
+        self.system_prompt = system_prompt
+        self.timeout_s = timeout_s
+        self.observation_space = MessageSpace(modalities=self.metadata["modalities"])
+        self.task: MathTask | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        index = _task_index(options, len(self.tasks))
+        if index is None:
+            index, _ = pick(self.tasks, self.np_random)
+        self.task = self.tasks[index]
+        return self.task.messages(self.system_prompt), {"task_index": index}
+
+    def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
+        task, self.task = self.task, None
+        result = math_reward(action, task.answer, answer_format=self.answer_format, timeout_s=self.timeout_s)
+        return [], result.score, True, False, {"task_index": task.index, "reward": result.to_info()}
+
+
+class MathToolEnv(ToolEnv):
+    """Multi-turn math with a sandboxed `python` tool; final answer in \\boxed{}."""
+
+    metadata: ClassVar[dict[str, Any]] = {**ToolEnv.metadata, "modalities": ("text",), "sandbox": True}
+
+    def __init__(
+        self,
+        data_path: str | Path | None = None,
+        split: Split = "train",
+        max_turns: int = 4,
+        require_container: bool = False,
+        sandbox_timeout_s: float = 5.0,
+        answer_format: AnswerFormat = "auto",
+        system_prompt: str | None = TOOL_SYSTEM_PROMPT,
+        timeout_s: float = 5.0,
+    ):
+        super().__init__(max_turns=max_turns)
+        self.tasks = load_math_tasks(data_path, split)
+        self.sandbox_config = SandboxConfig(require_container=require_container, timeout_s=sandbox_timeout_s)
+        self.answer_format = _check_answer_format(answer_format)
+        self.system_prompt = system_prompt
+        self.timeout_s = timeout_s
+        self._sandbox: Sandbox | None = None
+
+    @tool
+    def python(self, code: str) -> str:
+        """Runs a Python script in a sandbox and returns its exit code and output.
+
+        Args:
+            code: Python source to run as a script; use print() to see values.
+        """
+        if self._sandbox is None:  # made on first use: an episode that never calls the tool needs no engine
+            self._sandbox = Sandbox(self.sandbox_config)
+        return self._sandbox.run(code).summary()
+
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
+        index = _task_index(options, len(self.tasks))
+        if index is None:
+            index, _ = pick(self.tasks, rng)
+        return {"index": index}
+
+    def prompt_messages(self) -> list[Message]:
+        return self.tasks[self.episode["task"]["index"]].messages(self.system_prompt)
+
+    def score(self, answer: str) -> RewardResult:
+        gold = self.tasks[self.episode["task"]["index"]].answer
+        return math_reward(answer, gold, answer_format=self.answer_format, timeout_s=self.timeout_s)
+
+    def _info(self, **extra: Any) -> dict[str, Any]:
+        return {"task_index": self.episode["task"]["index"], **super()._info(**extra)}
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+        super().close()
