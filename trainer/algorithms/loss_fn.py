@@ -1,0 +1,157 @@
+"""One config for the algorithm, and the `LossFn` that composes the pure pieces for a backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from relax_gym.trainer.algorithms.aggregate import AGGREGATIONS, Aggregation, aggregate, masked
+from relax_gym.trainer.algorithms.corrections import Level, importance_mask, truncated_importance_weights
+from relax_gym.trainer.algorithms.losses import (
+    KLKind,
+    Metrics,
+    distillation_token_loss,
+    entropy_bonus,
+    grpo_token_loss,
+    gspo_token_loss,
+    kl_penalty,
+    sapo_token_loss,
+)
+from relax_gym.trainer.backends.base import LossFn, MicroBatch
+
+Algorithm = Literal["grpo", "gspo", "sapo", "distill"]
+
+#: (clip_low, clip_high) when the config leaves them None: DAPO's clip-higher, GSPO paper's range
+DEFAULT_CLIP = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Everything that selects the maths of an update; advantages options are read by the train loop."""
+
+    algorithm: Algorithm = "grpo"
+    #: PPO clip range (grpo, gspo); None = the algorithm's default in `DEFAULT_CLIP`
+    clip_low: float | None = None
+    clip_high: float | None = None
+    #: dual clip for negative advantages (grpo), c > 1; None = off
+    dual_clip_c: float | None = None
+    #: SAPO gate temperatures for positive / negative advantages
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    aggregation: Aggregation = "token-mean"
+    #: coefficient of the KL to the reference policy (needs ref_logprobs when > 0)
+    kl_coef: float = 0.0
+    kl_kind: KLKind = "k3"
+    #: coefficient of the entropy bonus (needs entropy when > 0)
+    entropy_coef: float = 0.0
+    #: truncated importance sampling cap on π_old / π_rollout; None = off
+    tis_cap: float | None = None
+    #: masked importance sampling bounds on π_old / π_rollout; both None = off, one None = unbounded side
+    mis_low: float | None = None
+    mis_high: float | None = None
+    mis_level: Level = "token"
+    #: group advantages: divide by the group std (GRPO) or not (Dr.GRPO)
+    std_normalize: bool = True
+    #: DAPO dynamic sampling: drop groups whose rewards are all equal
+    filter_uniform_groups: bool = False
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("algorithm", self.algorithm, get_args(Algorithm)),
+                                     ("aggregation", self.aggregation, AGGREGATIONS),
+                                     ("kl_kind", self.kl_kind, get_args(KLKind)),
+                                     ("mis_level", self.mis_level, get_args(Level))):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+        if self.algorithm not in DEFAULT_CLIP and (self.clip_low, self.clip_high) != (None, None):
+            raise ValueError(f"clip_low/clip_high do not apply to {self.algorithm!r}")
+        if self.dual_clip_c is not None and (self.algorithm != "grpo" or self.dual_clip_c <= 1):
+            raise ValueError("dual_clip_c applies to grpo only and must be > 1")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
+            raise ValueError("SAPO temperatures must be > 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError("tis_cap must be > 0")
+        if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:
+            raise ValueError("mis_low must be < mis_high")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high) of grpo / gspo, with the algorithm's defaults filled in."""
+        default_low, default_high = DEFAULT_CLIP[self.algorithm]
+        return (default_low if self.clip_low is None else self.clip_low,
+                default_high if self.clip_high is None else self.clip_high)
+
+
+def make_loss_fn(cfg: AlgorithmConfig) -> LossFn:
+    """The backend's loss: policy loss × off-policy corrections + kl_coef · KL - entropy_coef · entropy.
+
+    The ratio is taken against `old_logprobs` when the loop recomputed them, else against
+    `rollout_logprobs` (so a first step on on-policy data has ratio 1 without a recompute); TIS / MIS
+    weigh the policy term by π_old / π_rollout and are the identity without `old_logprobs`. Padded
+    positions are zeroed with `torch.where` first, so NaN/inf there cannot reach the loss or grads.
+    ``distill`` ignores `advantages` and needs `teacher_logprobs`.
+
+    Every returned metric is normalised by the STEP totals like the loss (per-token statistics such
+    as ``clip_frac`` or ``ratio`` as token-means over `step_tokens`; ``loss``, ``pg_loss``, ``kl``,
+    ``entropy`` with `cfg.aggregation`), so the backend's sum over the step's micro-batches is the
+    step's value. Per-token maxima are not reported since they do not add up.
+    """
+    mis_on = cfg.mis_low is not None or cfg.mis_high is not None
+
+    def loss_fn(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb.mask.bool()
+
+        def reduce(per_token: torch.Tensor, mode: Aggregation = cfg.aggregation) -> torch.Tensor:
+            return aggregate(per_token, mask, mode=mode, step_tokens=mb.step_tokens,
+                             step_sequences=mb.step_sequences)
+
+        logprobs = masked(mb.logprobs, mask)
+        rollout = masked(mb.rollout_logprobs, mask)
+        old = rollout if mb.old_logprobs is None else masked(mb.old_logprobs, mask)
+        advantages = masked(mb.advantages, mask)
+
+        if cfg.algorithm == "grpo":
+            clip_low, clip_high = cfg.clip_range
+            pg, metrics = grpo_token_loss(logprobs, old, advantages, clip_low=clip_low, clip_high=clip_high,
+                                          dual_clip_c=cfg.dual_clip_c)
+        elif cfg.algorithm == "gspo":
+            clip_low, clip_high = cfg.clip_range
+            pg, metrics = gspo_token_loss(logprobs, old, advantages, mask, clip_low=clip_low, clip_high=clip_high)
+        elif cfg.algorithm == "sapo":
+            pg, metrics = sapo_token_loss(logprobs, old, advantages, tau_pos=cfg.sapo_tau_pos,
+                                          tau_neg=cfg.sapo_tau_neg)
+        else:
+            if mb.teacher_logprobs is None:
+                raise ValueError("algorithm 'distill' needs teacher_logprobs in the micro-batch")
+            pg, metrics = distillation_token_loss(logprobs, masked(mb.teacher_logprobs, mask), old)
+
+        if cfg.tis_cap is not None:
+            weights, tis_metrics = truncated_importance_weights(old, rollout, cap=cfg.tis_cap)
+            pg, metrics = pg * weights, metrics | tis_metrics
+        if mis_on:
+            keep, mis_metrics = importance_mask(old, rollout, mask, level=cfg.mis_level,
+                                                low=0.0 if cfg.mis_low is None else cfg.mis_low,
+                                                high=torch.inf if cfg.mis_high is None else cfg.mis_high)
+            pg, metrics = masked(pg, keep), metrics | mis_metrics
+
+        loss = reduce(pg)
+        report: Metrics = {"pg_loss": loss}
+        if mb.ref_logprobs is not None:
+            report["kl"] = reduce(kl_penalty(logprobs, masked(mb.ref_logprobs, mask), cfg.kl_kind))
+            loss = loss + cfg.kl_coef * report["kl"]
+        elif cfg.kl_coef > 0:
+            raise ValueError("kl_coef > 0 needs ref_logprobs in the micro-batch")
+        if mb.entropy is not None:
+            report["entropy"] = entropy_bonus(mb.entropy, mask, mode=cfg.aggregation, step_tokens=mb.step_tokens,
+                                              step_sequences=mb.step_sequences)
+            loss = loss - cfg.entropy_coef * report["entropy"]
+        elif cfg.entropy_coef > 0:
+            raise ValueError("entropy_coef > 0 needs entropy in the micro-batch")
+        report |= {name: reduce(value, "token-mean") for name, value in metrics.items()}
+        report["loss"] = loss
+        return loss, {name: value.item() for name, value in report.items()}
+
+    return loss_fn
