@@ -1,0 +1,19 @@
+"""Training backends: the contract (`base`) and the plain-PyTorch backend.
+
+The Megatron backend lives in `relax_gym.trainer.backends.megatron` and is
+imported from there, so megatron-core stays an optional dependency.
+"""
+
+from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, TrainBackend
+from relax_gym.trainer.backends.torch_backend import TorchBackend, pack_micro_batches, token_logprobs
+
+__all__ = [
+    "LogprobOutput",
+    "LossFn",
+    "MicroBatch",
+    "Sample",
+    "TorchBackend",
+    "TrainBackend",
+    "pack_micro_batches",
+    "token_logprobs",
+]

@@ -1,0 +1,405 @@
+"""The plain-PyTorch training backend: any Hugging Face causal LM or VL / audio model, one process.
+
+It is the embedded default: the model is the same HF class the embedded engine
+runs, so weights move between them under their own names with no conversion.
+Samples are packed into right-padded micro-batches by a token budget, the
+loss function (from `relax_gym.trainer.algorithms`) is applied per micro-batch,
+and gradients accumulate without any rescaling because the loss is already
+normalised by the whole step's totals (`MicroBatch.step_tokens` /
+`step_sequences`).
+
+Precision: fp32 by default on CPU. bf16 (the GPU default) runs the forward
+under autocast with fp32 master weights, so AdamW's small updates are not
+rounded away; fp16 is refused since it would need loss scaling.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from transformers import set_seed
+
+from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
+from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample
+
+#: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
+#: memory beyond the logits themselves, whatever the vocabulary and sequence length.
+CHUNK_ELEMENTS = 2**25
+
+_MODEL_FILE, _OPTIMIZER_FILE, _STATE_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
+_OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Per-row log p(target) and entropy of softmax(logits / temperature), chunked over rows.
+
+    Autograd through `log_softmax` would keep a full [N, V] fp32 copy per op for
+    the backward pass. This keeps only the logits and per-row statistics and
+    recomputes each chunk's softmax in backward, so the only [N, V] tensors ever
+    alive are the logits and, in backward, their gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = logits.shape[0]
+        lse = logits.new_empty(rows, dtype=_compute_dtype(logits))
+        logprobs = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+        for start in range(0, rows, chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            logp = _scaled(logits[chunk], temperature)
+            lse[chunk] = torch.logsumexp(logp, dim=-1)
+            # Clamping -inf logits (masked vocabulary) keeps 0 * log 0 at 0 rather than NaN.
+            logp.sub_(lse[chunk, None]).clamp_(min=torch.finfo(logp.dtype).min)
+            logprobs[chunk] = logp.gather(-1, targets[chunk, None]).squeeze(-1)
+            if with_entropy:
+                entropy[chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, targets, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            chunk = slice(start, start + ctx.chunk_rows)
+            logp = _scaled(logits[chunk], ctx.temperature)
+            logp.sub_(lse[chunk, None]).clamp_(min=torch.finfo(logp.dtype).min)
+            g_lp = grad_logprobs[chunk, None]
+            # d log p_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
+            coeff = -g_lp
+            if ctx.with_entropy:
+                coeff = coeff - grad_entropy[chunk, None] * (logp + entropy[chunk, None])
+            g_z = logp.exp_().mul_(coeff)
+            g_z.scatter_add_(-1, targets[chunk, None], g_lp)
+            grad[chunk] = g_z.div_(ctx.temperature)
+        return grad, None, None, None, None
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16 / fp16 logits (log-probabilities need it), else the logits' own (fp64 stays fp64)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A fresh copy of `logits / temperature` in the compute dtype, safe to modify in place."""
+    return logits.to(_compute_dtype(logits)).div(temperature)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] log p(token t | < t) under softmax(logits / temperature), and that distribution's entropy.
+
+    `logits` [B, T, V] come from a forward over `input_ids` [B, T]; row t predicts
+    token t + 1, so outputs are shifted right by one and position 0 (no context) is 0,
+    the alignment of `Trajectory.rollout_logprobs`. fp32 (fp64 for fp64 logits) whatever
+    the logits' dtype. Differentiable; see `_TokenLogprobs` for why it is not
+    `log_softmax` + `gather`.
+    """
+    batch, length, vocab = logits.shape
+    targets = input_ids.roll(-1, dims=1).reshape(-1)  # the last column's target is never used
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
+    logprobs, entropy = _TokenLogprobs.apply(logits.reshape(-1, vocab), targets, temperature, with_entropy, rows)
+
+    def aligned(per_row: torch.Tensor) -> torch.Tensor:
+        return F.pad(per_row.view(batch, length)[:, :-1], (1, 0))
+
+    return aligned(logprobs), aligned(entropy) if with_entropy else None
+
+
+def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of samples, in their given order, grouped so each group's padded size B × T_max ≤ `max_tokens`.
+
+    Greedy and order-preserving (so logprobs come back in order and runs are
+    reproducible); a sample longer than the budget gets a micro-batch of its own.
+    """
+    groups: list[list[int]] = []
+    width = 0
+    for i, length in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(width, length) <= max_tokens:
+            groups[-1].append(i)
+            width = max(width, length)
+        else:
+            groups.append([i])
+            width = length
+    return groups
+
+
+def _rng_states() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class TorchBackend:
+    """`TrainBackend` over one HF model on one device (CPU or a GPU), AdamW, token-budget micro-batches.
+
+    The backend owns `loaded.model`: it moves it to `device` (in fp32 when
+    training in bf16) and trains it in place, so an embedded engine must hold
+    its own copy and receive weights through `hf_state_dict()`. Dropout follows
+    the model's config (the Qwen models have none): `train_step` runs in train
+    mode as HF gradient checkpointing requires, `logprobs` in eval mode.
+    `seed` seeds python, numpy and torch for the process (as `transformers.set_seed`).
+    `optimizer` is public so a learning-rate schedule can be attached to it.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: float | None = 1.0,
+        micro_batch_tokens: int = 4096,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if dtype == torch.float16:
+            raise ValueError("fp16 training needs loss scaling, which this backend does not do; use bfloat16")
+        #: compute dtype of the forward under autocast, None when it runs in the weights' own dtype
+        self.autocast_dtype = dtype if dtype == torch.bfloat16 else None
+        set_seed(seed)
+        self.loaded = loaded
+        self.model = loaded.model.to(device=self.device, dtype=torch.float32 if self.autocast_dtype else dtype)
+        if gradient_checkpointing:
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        self.grad_clip = grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        self.version = 0
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def _model_inputs(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+        """Right-padded inputs for a micro-batch, built from each sample's `sequence_inputs`.
+
+        `sequence_inputs` is the one place that knows which keys a model needs
+        (e.g. Qwen3-VL's `mm_token_type_ids`). Per-token keys are padded and
+        stacked (a key a sample lacks, such as image token types in a text-only
+        sample, is all zeros); media features are concatenated in sample order,
+        which is the order the models scatter them into placeholder tokens.
+        """
+        per_sample = [sequence_inputs(self.loaded, s.token_ids, [s.mm_inputs]) for s in samples]
+        width = max(len(s.token_ids) for s in samples)
+        pad_id = self.loaded.tokenizer.pad_token_id or 0
+        inputs: dict[str, torch.Tensor] = {}
+        for key in dict.fromkeys(k for x in per_sample for k in x):
+            if key in MEDIA_KEYS:
+                value = torch.cat([x[key] for x in per_sample if key in x])
+            else:
+                like = next(x[key] for x in per_sample if key in x)
+                rows = [
+                    x[key][0] if key in x else like.new_zeros(len(s.token_ids))
+                    for x, s in zip(per_sample, samples, strict=True)
+                ]
+                fill = pad_id if key == "input_ids" else 0
+                value = torch.stack([F.pad(r, (0, width - len(r)), value=fill) for r in rows])
+            if value.is_floating_point():
+                value = value.to(self.model.dtype)
+            inputs[key] = value.to(self.device)
+        return inputs
+
+    def _forward(
+        self, samples: Sequence[Sample], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] logprobs (and entropy) of a micro-batch, 0 at position 0 and at padding."""
+        inputs = self._model_inputs(samples)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            logits = self.model(**inputs, use_cache=False).logits
+        logprobs, entropy = token_logprobs(logits, inputs["input_ids"], temperature, with_entropy=with_entropy)
+        padding = inputs["attention_mask"] == 0
+        return logprobs.masked_fill(padding, 0.0), None if entropy is None else entropy.masked_fill(padding, 0.0)
+
+    def _per_token(self, rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+        """Right-padded [B, width] fp32 tensor on the device; padding is 0."""
+        out = torch.zeros(len(rows), width)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+        return out.to(self.device)
+
+    def _micro_batch(
+        self, batch: Sequence[Sample], temperature: float, step_tokens: int, step_sequences: int
+    ) -> MicroBatch:
+        """The forward with grad of one micro-batch, with the per-token data the loss function reads."""
+        width = max(len(s.token_ids) for s in batch)
+        logprobs, entropy = self._forward(batch, temperature, with_entropy=True)
+
+        def optional(name: str) -> torch.Tensor | None:
+            rows = [getattr(s, name) for s in batch]
+            return None if rows[0] is None else self._per_token(rows, width)
+
+        return MicroBatch(
+            logprobs=logprobs,
+            entropy=entropy,
+            mask=self._per_token([s.loss_mask for s in batch], width),
+            advantages=self._per_token([[s.advantage] * len(s.token_ids) for s in batch], width),
+            rollout_logprobs=self._per_token([s.rollout_logprobs for s in batch], width),
+            old_logprobs=optional("old_logprobs"),
+            ref_logprobs=optional("ref_logprobs"),
+            teacher_logprobs=optional("teacher_logprobs"),
+            step_tokens=step_tokens,
+            step_sequences=step_sequences,
+        )
+
+    @staticmethod
+    def _check(samples: Sequence[Sample], temperature: float) -> None:
+        """Rejects inputs that would otherwise fail deep in a forward or silently misalign."""
+        if not samples:
+            raise ValueError("no samples")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        for i, s in enumerate(samples):
+            n = len(s.token_ids)
+            fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
+            fields |= {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
+            if n == 0 or any(len(v) != n for v in fields.values()):
+                lengths = {k: len(v) for k, v in fields.items()}
+                raise ValueError(f"sample {i}: per-token fields {lengths} must match its {n} token_ids (> 0)")
+            if s.loss_mask[0]:
+                raise ValueError(f"sample {i}: token 0 is trained, but it has no context to be predicted from")
+        for f in _OPTIONAL_FIELDS:
+            if len({getattr(s, f) is None for s in samples}) > 1:
+                raise ValueError(f"{f} is set on some samples and not others")
+
+    # --- TrainBackend -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(
+        self, samples: list[Sample], *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> list[LogprobOutput]:
+        """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
+        self._check(samples, temperature)
+        self.model.eval()
+        out: list[LogprobOutput] = []
+        for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
+            logprobs, entropy = self._forward([samples[i] for i in group], temperature, with_entropy)
+            for row, i in enumerate(group):
+                n = len(samples[i].token_ids)
+                out.append(LogprobOutput(logprobs[row, :n].cpu(), None if entropy is None else entropy[row, :n].cpu()))
+        return out
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """Forward/backward over micro-batches (token budget), clip, one AdamW step; version += 1.
+
+        A step whose gradient norm is not finite (e.g. a loss normalised by zero
+        trained tokens) is not applied, so one bad batch cannot destroy the
+        weights; it still counts as a step (`skipped` = 1) so versions stay in
+        lockstep with the loop's step count.
+        """
+        self._check(samples, temperature)
+        step_tokens = sum(sum(s.loss_mask) for s in samples)
+        step_sequences = sum(1 for s in samples if any(s.loss_mask))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # nothing left over from a step that raised midway
+        groups = pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens)
+        summed: dict[str, float] = defaultdict(float)
+        loss_sum = 0.0
+        for group in groups:
+            micro_batch = self._micro_batch([samples[i] for i in group], temperature, step_tokens, step_sequences)
+            loss, metrics = loss_fn(micro_batch)
+            if loss.requires_grad:  # a loss_fn may return a constant for a micro-batch with nothing trained
+                loss.backward()
+            loss_sum += loss.item()
+            for key, value in metrics.items():
+                summed[key] += float(value)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or math.inf).item()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {
+            **summed,
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "micro_batches": float(len(groups)),
+            "tokens": float(step_tokens),
+            "sequences": float(step_sequences),
+            "skipped": float(skipped),
+        }
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the weights under the HF names of the model class the engine also runs.
+
+        Tensors shared in the model (tied embeddings) stay shared in the copy, so
+        they are copied once and keep their tie after `load_state_dict`.
+        """
+        copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+            if key not in copies:
+                copies[key] = tensor.detach().to("cpu", copy=True)
+            out[name] = copies[key]
+        return out
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """`path/` gets model.safetensors (in-memory HF names, tied weights once), optimizer.pt, trainer_state.pt.
+
+        The model is saved with safetensors' `save_model` rather than
+        `save_pretrained`, which renames some models' keys to their original
+        checkpoint layout (Qwen2-Audio); resuming needs the in-memory names.
+        Export a loadable HF folder with `relax_gym.models.save_model`.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        safetensors.torch.save_model(self.model, str(path / _MODEL_FILE))
+        torch.save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
+        torch.save({"version": self.version, "extra": extra, "rng": _rng_states()}, path / _STATE_FILE)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores weights, optimizer, RNG states and version in place; returns `extra`."""
+        path = Path(path)
+        safetensors.torch.load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
+        self.optimizer.load_state_dict(torch.load(path / _OPTIMIZER_FILE, map_location=self.device, weights_only=True))
+        # Our own file: the numpy RNG state and the caller's `extra` need full unpickling.
+        state = torch.load(path / _STATE_FILE, weights_only=False)
+        _set_rng_states(state["rng"])
+        self.version = state["version"]
+        return state["extra"]
