@@ -90,14 +90,19 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
         concurrency=args.concurrency,
     ))
-    table = Table(title=f"rollout -> {args.out}")
-    for col in ("env", "episodes", "reward", "status", "turns", "tokens", "generate s", "env s", "failures"):
-        table.add_column(col)
+    console.print(f"wrote {args.out}")
     for env_id, s in summary.items():
-        table.add_row(env_id, str(s["episodes"]), f"{s['reward_mean']:.3f}", json.dumps(s["status"]),
-                      f"{s['turns_mean']:.1f}", f"{s['tokens_mean']:.0f}", f"{s['generate_s']:.1f}",
-                      f"{s['env_s']:.1f}", json.dumps(s["failures"]) if s["failures"] else "")
-    console.print(table)
+        console.print(f"[bold]{env_id}[/bold]: {s['episodes']} episodes, mean reward {s['reward_mean']:.3f}, "
+                      f"status {s['status']}", highlight=False)
+        console.print(f"  turns {s['turns_mean']:.1f}, tool calls {s['tool_calls_mean']:.1f}, tokens "
+                      f"{s['tokens_mean']:.0f} ({s['generated_tokens_mean']:.0f} generated); time generating "
+                      f"{s['generate_s']:.1f} s, in env {s['env_s']:.1f} s", highlight=False)
+        for label in ("failures", "truncations"):
+            if s[label]:
+                console.print(f"  {label}: {s[label]}", highlight=False)
+        if s["rerender_mismatches"]:
+            console.print(f"  [yellow]{s['rerender_mismatches']} trajectories differ from a full re-render "
+                          "(see metrics.rerender_first_diff_char)[/yellow]")
     return 0
 
 
@@ -135,6 +140,24 @@ def cmd_view(args: argparse.Namespace) -> int:
     out = write_html(args.jsonl, args.output, tokenizer=tokenizer)
     console.print(f"wrote {out}")
     return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from relax_gym.trainer.config import ConfigError, load_config
+    from relax_gym.trainer.loop import train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]", highlight=False)
+        return 2
+    summary = train(cfg)
+    console.print(
+        f"run folder {summary['run_dir']}: {summary['steps']} steps, reward {summary['reward_first_tenth']:.3f}"
+        f" (first tenth) -> {summary['reward_last_tenth']:.3f} (last tenth); plot {summary['plot']}",
+        highlight=False,
+    )
+    return 130 if summary.get("interrupted") else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -184,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("train", help="train a policy (a run folder with metrics, checkpoints, a reward plot)")
+    p.add_argument("config", help="a YAML config (see examples/configs/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.lr=1e-4")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("serve", help="the embedded engine over SGLang-native HTTP")
     p.add_argument("--model", default="tiny")

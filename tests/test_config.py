@@ -63,3 +63,11 @@ def test_structural_errors_are_clear(tmp_path, base):
 def test_sync_mode_is_on_policy(base):
     cfg = load_config(base, ["trainer.mode=sync", "trainer.max_staleness=3"])
     assert cfg.trainer.max_staleness == 0
+
+
+def test_algorithm_section_is_checked_by_the_algorithms_own_config(base):
+    cfg = load_config(base, ["algorithm.name=gspo", "algorithm.aggregation=seq-mean-token-mean"])
+    algo = cfg.algorithm.to_algorithm_config()
+    assert algo.algorithm == "gspo" and algo.aggregation == "seq-mean-token-mean"
+    with pytest.raises(ConfigError, match="dual_clip_c"):
+        load_config(base, ["algorithm.dual_clip_c=0.5"])

@@ -71,3 +71,17 @@ def test_segments_masks_and_media_follow_the_turns():
         loaded.processor(text=[rendered], images=conv.media, return_tensors="pt")["input_ids"][0]
     )
     assert conv.rerender_diff() is None
+
+
+def test_non_canonical_policy_tokens_are_not_mistaken_for_a_template_problem():
+    loaded = load_model("tiny")
+    tok = loaded.tokenizer
+    conv = ConversationTokens.start(loaded, [message("user", "Hi")])
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    # "hello" spelt one byte-token at a time: the same text, not how the tokenizer would split it
+    spelt = [tok.convert_tokens_to_ids(c) for c in "hello"]
+    assert spelt != tok("hello", add_special_tokens=False)["input_ids"]
+    conv.append_generation([*spelt, eos], [0.0] * 6, 0, {eos})
+    conv.append_observation([message("user", "again")])
+    assert conv.rerender_diff() is not None  # the token sequences differ...
+    assert conv.template_diff() is None  # ...but the template appended exactly what it renders

@@ -43,13 +43,16 @@ class RolloutConfig(_Strict):
 
 
 class AlgorithmSection(_Strict):
+    """The fields of `relax_gym.trainer.algorithms.AlgorithmConfig` (`name` = its `algorithm`), plus two
+    loop options; validated by building that config, so the two cannot disagree."""
+
     name: Literal["grpo", "gspo", "sapo", "distill"] = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float | None = None  # None = the algorithm's default (GRPO 0.2/0.28, GSPO 3e-4/4e-4)
+    clip_high: float | None = None
     dual_clip_c: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    std_normalize: bool = True
-    filter_uniform_groups: bool = False
     kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
@@ -57,10 +60,23 @@ class AlgorithmSection(_Strict):
     mis_low: float | None = None
     mis_high: float | None = None
     mis_level: Literal["token", "sequence"] = "token"
+    std_normalize: bool = True
+    filter_uniform_groups: bool = False
     #: recompute old logprobs with the trainer (ratio against them); else use the engine's
     recompute_old_logprobs: bool = True
     #: a model (tiny name or folder) whose logprobs are the distillation target
     teacher: str | None = None
+
+    def to_algorithm_config(self) -> Any:
+        from relax_gym.trainer.algorithms import AlgorithmConfig
+
+        fields = self.model_dump(exclude={"name", "recompute_old_logprobs", "teacher"})
+        return AlgorithmConfig(algorithm=self.name, **fields)
+
+    @model_validator(mode="after")
+    def _valid(self) -> AlgorithmSection:
+        self.to_algorithm_config()  # its ValueError becomes a validation error naming the problem
+        return self
 
 
 class MegatronSection(_Strict):

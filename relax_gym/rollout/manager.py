@@ -228,10 +228,11 @@ class _Episode:
         if reward_status:
             metrics["reward_status"] = reward_status
         if conv is not None and self.m.limits.check_rerender and conv.turns:
-            diff = conv.rerender_diff()
+            diff = conv.template_diff()
             metrics["rerender_match"] = diff is None
             if diff is not None:
-                metrics["rerender_first_diff"] = diff
+                metrics["rerender_first_diff_char"] = diff
+            metrics["canonical_tokens"] = conv.rerender_diff() is None
         traj = Trajectory(
             token_ids=conv.token_ids if conv else [],
             prompt_len=conv.prompt_len if conv else 0,

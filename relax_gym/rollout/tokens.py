@@ -154,14 +154,35 @@ class ConversationTokens:
     def model_inputs(self) -> Any:
         return sequence_inputs(self.loaded, self.token_ids, self.media_features)
 
-    def rerender_diff(self) -> int | None:
-        """Index of the first token where a full re-render differs from the appended sequence, or None."""
+    def _rerendered(self) -> list[int]:
         ended_by_policy = self.segments[-1].kind == "policy"
         rendered = render(self.loaded, self.messages, tools=self.tools, add_generation_prompt=not ended_by_policy)
-        ours = self.token_ids
-        if ended_by_policy:  # the re-render closes the last turn with template glue we never appended
-            rendered = rendered[: len(ours)]
-        for i, (a, b) in enumerate(zip(ours, rendered, strict=False)):
-            if a != b:
-                return i
-        return None if len(ours) == len(rendered) else min(len(ours), len(rendered))
+        # a re-render closes the last policy turn with template glue that was never appended
+        return rendered[: len(self.token_ids)] if ended_by_policy else rendered
+
+    def rerender_diff(self) -> int | None:
+        """First token index where a full re-render differs from the appended sequence, or None.
+
+        Differences also come from the policy writing a non-canonical tokenization
+        of its own text (re-tokenizing the decoded text merges differently); those
+        do not matter for training, which uses the exact tokens. `template_diff`
+        separates template problems from them.
+        """
+        ours, rendered = self.token_ids, self._rerendered()
+        return _first_difference(ours, rendered)
+
+    def template_diff(self) -> int | None:
+        """First character where the decoded sequence and the decoded full re-render differ, or None.
+
+        Decoded text does not depend on how it was tokenized, so a difference here
+        is the template itself rendering the conversation differently than it was appended.
+        """
+        decode = self.loaded.tokenizer.decode
+        return _first_difference(decode(self.token_ids), decode(self._rerendered()))
+
+
+def _first_difference(a: Any, b: Any) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

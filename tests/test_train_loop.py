@@ -1,0 +1,164 @@
+"""The train loop end to end on the real tiny model: run folder, staleness, resume, interruption."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import relax_gym
+from relax_gym.envs.procedural import GuessNumberEnv
+from relax_gym.trainer.config import load_config
+from relax_gym.trainer.loop import Trainer, train
+
+ROOT = Path(__file__).resolve().parents[1]
+WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
+
+
+def config(tmp_path: Path, *overrides: str):
+    base = [
+        f"run_dir={tmp_path / 'run'}",
+        f"model={WARM_START}",  # answers right ~20% of the time, so groups have non-zero advantages
+        "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1}}]",
+        "rollout.group_size=2",
+        "rollout.groups_per_step=2",
+        "rollout.max_new_tokens=4",
+        "rollout.max_turns=1",
+        "trainer.total_steps=3",
+        "trainer.lr=1e-3",
+        "trainer.checkpoint_every=2",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["type"] == "train"]
+
+
+def test_a_short_run_leaves_metrics_checkpoints_tensorboard_and_a_plot(tmp_path):
+    summary = train(config(tmp_path, "trainer.eval_every=3", "trainer.eval_tasks=4"))
+    run = tmp_path / "run"
+    rows = train_records(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["trained_samples"] > 0 for r in rows)
+    assert any(r["train/grad_norm"] > 0 for r in rows)
+    assert {"wait_rollout_s", "train_s", "weight_sync_s", "staleness", "tokens_per_s"} <= set(rows[0])
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert [e["step"] for e in evals] == [3]
+    assert (run / "reward.png").stat().st_size > 0
+    assert (run / "checkpoints" / "latest").read_text() == "3"
+    assert any((run / "tensorboard").iterdir())
+    trajs = (run / "trajectories.jsonl").read_text().splitlines()
+    assert len(trajs) == 3 * 2 * 2
+    assert summary["steps"] == 3
+
+
+class SlowGuess(GuessNumberEnv):
+    """GuessNumber whose steps take a random time, as a slow tool or judge would."""
+
+    def step(self, action):
+        time.sleep(random.random() * 0.01)
+        return super().step(action)
+
+
+class JitteryEngine:
+    """The real embedded engine behind a random delay per request (latency is what is being varied)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, request):
+        await asyncio.sleep(random.random() * 0.02)
+        return await self.engine.generate(request)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_no_trained_sample_exceeds_max_staleness_with_random_latencies(tmp_path, k):
+    relax_gym.register("test/SlowGuess-v0", SlowGuess)
+    random.seed(k)
+    cfg = config(tmp_path, "envs=[{id: test/SlowGuess-v0, kwargs: {high: 8}}]", "rollout.max_turns=3",
+                 "rollout.groups_per_step=3", f"trainer.max_staleness={k}", "trainer.total_steps=5",
+                 "trainer.checkpoint_every=100")
+    trainer = Trainer(cfg)
+    trainer.engine = JitteryEngine(trainer.engine)
+    trainer.manager.engine = trainer.engine
+    asyncio.run(trainer.run())
+    rows = train_records(tmp_path / "run")
+    assert len(rows) == 5
+    for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        generated = [v for v, m in zip(record["versions"], record["loss_mask"], strict=True) if m]
+        trained_at = record["step"] - 1  # the version of the weights that step trained
+        assert trained_at - min(generated) <= k
+    assert all(int(s) <= k for r in rows for s in r["staleness"])
+
+
+def test_resuming_continues_from_the_last_checkpoint_without_repeating_steps(tmp_path):
+    train(config(tmp_path, "trainer.total_steps=2"))
+    summary = train(config(tmp_path, "trainer.total_steps=4"))
+    rows = train_records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert summary["steps"] == 4
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "4"
+
+
+def _start_training(tmp_path: Path, steps: int) -> subprocess.Popen:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"run_dir: {tmp_path / 'run'}\nmodel: {WARM_START}\nenvs: [{{id: relax/Arithmetic-v0}}]\n"
+        "rollout: {group_size: 2, groups_per_step: 2, max_new_tokens: 4, max_turns: 1}\n"
+        f"trainer: {{total_steps: {steps}, checkpoint_every: 2, lr: 1.0e-3}}\n"
+    )
+    return subprocess.Popen([sys.executable, "-m", "relax_gym.cli", "train", str(cfg)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_checkpoint(tmp_path: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if latest.is_file() and int(latest.read_text()) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("no checkpoint appeared in time")
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_run_resumes_with_nothing_lost(tmp_path):
+    proc = _start_training(tmp_path, steps=1000)
+    _wait_for_checkpoint(tmp_path, proc, 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    done = int((tmp_path / "run" / "checkpoints" / "latest").read_text())
+    logged = [r["step"] for r in train_records(tmp_path / "run")]
+    assert logged[: done] == list(range(1, done + 1))  # every step up to the checkpoint was kept
+    summary = train(load_config(tmp_path / "cfg.yaml", [f"trainer.total_steps={done + 2}"]))
+    assert [r["step"] for r in train_records(tmp_path / "run")] == list(range(1, done + 3))
+    assert summary["steps"] == done + 2
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_checkpoints_and_plots_before_exiting(tmp_path):
+    proc = _start_training(tmp_path, steps=1000)
+    _wait_for_checkpoint(tmp_path, proc, 2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    steps = [r["step"] for r in train_records(tmp_path / "run")]
+    assert int((tmp_path / "run" / "checkpoints" / "latest").read_text()) == steps[-1]
+    assert (tmp_path / "run" / "reward.png").is_file()

@@ -1,0 +1,182 @@
+"""What a run leaves behind: metrics.jsonl, TensorBoard events, trajectories, a progress bar, a reward plot.
+
+Every line is flushed as it is written, so a run that is killed keeps
+everything up to its last step; a resumed run drops the lines after the
+checkpoint it resumes from, so steps are never counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from relax_gym.trainer.backends.base import Sample
+from relax_gym.trainer.databus import DataBus, Group, group_staleness
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, total_steps: int, *, save_trajectories: bool = True):
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.trajectories_path = self.run_dir / "trajectories.jsonl" if save_trajectories else None
+        self.total_steps = total_steps
+        self.start = time.perf_counter()
+        self.last_step_time = self.start
+        self._metrics = self.metrics_path.open("a", encoding="utf-8")
+        self._trajs = self.trajectories_path.open("a", encoding="utf-8") if self.trajectories_path else None
+        self._tb = _tensorboard(self.run_dir / "tensorboard")
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+        self._bar = self.progress.add_task("train", total=total_steps, status="")
+        self.progress.start()
+
+    # --- writing ---------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            prefix = record["type"]
+            for key, value in _flatten(record).items():
+                if isinstance(value, int | float) and key not in ("step", "type"):
+                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+            self._tb.flush()
+
+    def step(self, step: int, groups: list[Group], samples: list[Sample], train: dict[str, float],
+             timings: dict[str, float], bus: DataBus) -> dict[str, Any]:
+        now = time.perf_counter()
+        trajs = [t for g in groups for t in g]
+        per_env: dict[str, list[float]] = defaultdict(list)
+        for t in trajs:
+            per_env[t.env_id].append(t.reward)
+        generated = sum(t.num_generated for t in trajs)
+        record: dict[str, Any] = {
+            "type": "train",
+            "step": step,
+            "time_s": round(now - self.start, 3),
+            "reward_mean": fmean(t.reward for t in trajs) if trajs else 0.0,
+            "reward_per_env": {k: fmean(v) for k, v in per_env.items()},
+            "staleness": dict(Counter(group_staleness(g, step - 1) for g in groups)),
+            "episodes": len(trajs),
+            "trained_samples": len(samples),
+            "status": dict(Counter(t.status for t in trajs)),
+            "generated_tokens_mean": generated / len(trajs) if trajs else 0.0,
+            "trained_generated_tokens_mean": fmean(sum(s.loss_mask) for s in samples) if samples else 0.0,
+            "trained_seq_len_mean": fmean(len(s.token_ids) for s in samples) if samples else 0.0,
+            "tokens_per_s": generated / max(now - self.last_step_time, 1e-9),
+            "step_time_s": now - self.last_step_time,
+            "dropped_stale_total": bus.dropped_stale,
+            "filtered_total": bus.filtered,
+            **{k: round(v, 6) for k, v in timings.items()},
+            **{f"train/{k}": v for k, v in train.items()},
+        }
+        self.last_step_time = now
+        self._write(record)
+        if self._trajs is not None:
+            for t in trajs:
+                self._trajs.write(json.dumps({"step": step, **t.to_json()}) + "\n")
+            self._trajs.flush()
+        self.progress.update(self._bar, completed=step, status=f"reward {record['reward_mean']:.3f}")
+        return record
+
+    def eval(self, version: int, results: dict[str, list[float]]) -> dict[str, float]:
+        scores = {env: fmean(r) for env, r in results.items() if r}
+        record = {"type": "eval", "step": version, "reward_mean": fmean(scores.values()) if scores else 0.0,
+                  "reward_per_env": scores}
+        self._write(record)
+        self.progress.console.print(f"eval at step {version}: reward {record['reward_mean']:.3f} {scores}")
+        return scores
+
+    # --- reading / resuming -------------------------------------------------------------
+    def records(self, kind: str = "train") -> list[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return []
+        rows = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return [r for r in rows if r["type"] == kind]
+
+    def truncate_after(self, step: int) -> None:
+        """Forgets what a killed run logged after the checkpoint it resumes from."""
+        self._metrics.close()
+        rows = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line)["step"] <= step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self._metrics = self.metrics_path.open("a", encoding="utf-8")
+        if self.trajectories_path is not None and self.trajectories_path.is_file():
+            self._trajs.close()
+            lines = self.trajectories_path.read_text().splitlines()
+            self.trajectories_path.write_text(
+                "".join(x + "\n" for x in lines if x.strip() and json.loads(x)["step"] <= step))
+            self._trajs = self.trajectories_path.open("a", encoding="utf-8")
+        self.progress.update(self._bar, completed=step)
+
+    def summary(self) -> dict[str, Any]:
+        rewards = [r["reward_mean"] for r in self.records()]
+        tenth = max(1, len(rewards) // 10)
+        first = fmean(rewards[:tenth]) if rewards else 0.0
+        last = fmean(rewards[-tenth:]) if rewards else 0.0
+        return {"steps": len(rewards), "reward_first_tenth": first, "reward_last_tenth": last,
+                "improvement": last - first, "run_dir": str(self.run_dir),
+                "plot": str(self.run_dir / "reward.png")}
+
+    def close(self, plot: bool = True) -> None:
+        self.progress.stop()
+        self._metrics.close()
+        if self._trajs is not None:
+            self._trajs.close()
+        if self._tb is not None:
+            self._tb.close()
+        if plot:
+            plot_rewards(self.metrics_path, self.run_dir / "reward.png")
+
+
+def plot_rewards(metrics_path: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
+    train = [r for r in rows if r["type"] == "train"]
+    evals = [r for r in rows if r["type"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        steps = [r["step"] for r in train]
+        rewards = [r["reward_mean"] for r in train]
+        ax.plot(steps, rewards, alpha=0.35, label="train reward (per step)")
+        window = max(1, len(rewards) // 10)
+        smooth = [fmean(rewards[max(0, i - window + 1): i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"train reward (mean of {window})")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["reward_mean"] for r in evals], "o-", label="eval reward (greedy)")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "/"))
+        else:
+            out[name] = value
+    return out
+
+
+def _tensorboard(path: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is a dependency; this only guards a broken install
+        return None
+    return SummaryWriter(str(path))
