@@ -154,11 +154,15 @@ class ConversationTokens:
     def model_inputs(self) -> Any:
         return sequence_inputs(self.loaded, self.token_ids, self.media_features)
 
-    def _rerendered(self) -> list[int]:
+    def _full_render(self) -> tuple[list[int], bool]:
+        """The whole conversation rendered at once, and whether it ends on a policy turn.
+
+        A re-render closes a final policy turn with template glue that was never
+        appended, so comparisons cut the re-render to the appended length.
+        """
         ended_by_policy = self.segments[-1].kind == "policy"
-        rendered = render(self.loaded, self.messages, tools=self.tools, add_generation_prompt=not ended_by_policy)
-        # a re-render closes the last policy turn with template glue that was never appended
-        return rendered[: len(self.token_ids)] if ended_by_policy else rendered
+        return render(self.loaded, self.messages, tools=self.tools,
+                      add_generation_prompt=not ended_by_policy), ended_by_policy
 
     def rerender_diff(self) -> int | None:
         """First token index where a full re-render differs from the appended sequence, or None.
@@ -168,8 +172,10 @@ class ConversationTokens:
         do not matter for training, which uses the exact tokens. `template_diff`
         separates template problems from them.
         """
-        ours, rendered = self.token_ids, self._rerendered()
-        return _first_difference(ours, rendered)
+        rendered, ended_by_policy = self._full_render()
+        if ended_by_policy:
+            rendered = rendered[: len(self.token_ids)]
+        return _first_difference(self.token_ids, rendered)
 
     def template_diff(self) -> int | None:
         """First character where the decoded sequence and the decoded full re-render differ, or None.
@@ -178,7 +184,9 @@ class ConversationTokens:
         is the template itself rendering the conversation differently than it was appended.
         """
         decode = self.loaded.tokenizer.decode
-        return _first_difference(decode(self.token_ids), decode(self._rerendered()))
+        rendered, ended_by_policy = self._full_render()
+        ours, full = decode(self.token_ids), decode(rendered)
+        return _first_difference(ours, full[: len(ours)] if ended_by_policy else full)
 
 
 def _first_difference(a: Any, b: Any) -> int | None:
