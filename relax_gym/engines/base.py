@@ -21,6 +21,10 @@ class EngineError(RuntimeError):
     """The engine failed or is unreachable; the message says which and where."""
 
 
+class RequestError(EngineError):
+    """The request itself is invalid (the message names the field): retrying it cannot help."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

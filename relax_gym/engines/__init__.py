@@ -1,0 +1,51 @@
+"""Inference engines: one async protocol (`Engine`), an embedded transformers engine, an SGLang client.
+
+Implementations import lazily, so `from relax_gym.engines import Engine` costs no
+torch, httpx or FastAPI import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from relax_gym.engines.base import (
+    Engine,
+    EngineError,
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+)
+
+_LAZY = {
+    "EmbeddedEngine": "relax_gym.engines.embedded",
+    "SGLangEngine": "relax_gym.engines.sglang",
+    "SGLangServer": "relax_gym.engines.sglang",
+    "launch_sglang_server": "relax_gym.engines.sglang",
+    "create_app": "relax_gym.engines.server",
+    "serve": "relax_gym.engines.server",
+}
+
+__all__ = [
+    "EmbeddedEngine",
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "GenerateOutput",
+    "GenerateRequest",
+    "RequestError",
+    "SGLangEngine",
+    "SGLangServer",
+    "SamplingParams",
+    "create_app",
+    "launch_sglang_server",
+    "serve",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

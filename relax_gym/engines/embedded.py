@@ -1,0 +1,579 @@
+"""The embedded engine: a transformers model in-process, batching concurrent requests.
+
+One worker thread owns the model. `generate()` calls queue jobs; the worker
+takes everything pending (up to `max_batch_size`, after a short coalescing
+window) and runs it as one left-padded `model.generate` call, so the event loop
+never runs torch code and concurrent episodes share forward passes. Batching is
+static: a batch runs until its last row stops, and requests arriving meanwhile
+form the next batch.
+
+`model.generate` keeps the model-specific work (KV cache, Qwen-VL's M-RoPE
+positions under left padding, splicing image / audio features in at prefill);
+per-row sampling and stopping live in `_BatchDecoder`, which samples from the
+raw logits captured by a forward hook, so no processor `generate` adds from a
+checkpoint's generation_config can change what the reported logprobs mean.
+
+Media placeholder tokens (`<|image_pad|>`, `<|AUDIO|>`, ...) are never sampled:
+one in an output has no features behind it, and the trainer's forward over the
+trajectory then fails ("Image features and image tokens do not match", a known
+crash of RL stacks whose engines allow it). Like top-k / top-p, this shapes
+only the choice; logprobs stay log softmax(logits / T) over the full vocabulary.
+
+The worker applies weight updates between batches; being the only thread that
+touches the model, it needs no lock around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.core_model_loading import revert_weight_conversion
+
+from relax_gym.engines.base import (
+    EngineError,
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+)
+from relax_gym.models import LoadedModel
+from relax_gym.models.inputs import _resample
+
+# Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
+TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids"})
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+    """Completes `future` on its own loop from the worker thread; a closed loop has no one waiting."""
+
+    def complete() -> None:
+        if future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(complete)
+
+
+@dataclass
+class _Job:
+    request: GenerateRequest
+    media: dict[str, torch.Tensor]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def resolve(self, value: GenerateOutput | BaseException) -> None:
+        _resolve(self.loop, self.future, value)
+
+
+@dataclass
+class _Update:
+    tensors: dict[str, torch.Tensor]
+    version: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf what top-k (0 = off) and top-p drop, per row; both masks act on the full
+    distribution, as SGLang's sampler does. The most likely token always survives."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    return torch.full_like(logits, -torch.inf).scatter(1, order, ordered.masked_fill(drop, -torch.inf))
+
+
+class _BatchDecoder(LogitsProcessor):
+    """Per-row sampling and stop bookkeeping for one batch, installed as generate's logits processor.
+
+    Each step it samples every row from the raw logits under that row's own params,
+    records token and logprob, decides which rows stop, and returns scores that make
+    generate's greedy pick exactly the sampled tokens.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        *,
+        eos: frozenset[int],
+        vocab: int,
+        device: torch.device,
+        generator: torch.Generator,
+        decode: Callable[[list[int]], str],
+        aborted: Callable[[int], bool],
+        never: Sequence[int] = (),
+    ) -> None:
+        self.params = list(params)
+        rows = len(params)
+
+        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.temperature = tensor([p.temperature for p in params], torch.float32)
+        self.greedy = self.temperature == 0
+        self.top_k = tensor([p.top_k for p in params], torch.long)
+        self.top_p = tensor([p.top_p for p in params], torch.float32)
+        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.truncates = any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0)
+        self.stop_ids = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        for i, p in enumerate(params):
+            self.stop_ids[i, sorted(eos | set(p.stop_token_ids))] = True
+        # Enough trailing tokens to hold any stop string, even one byte per token.
+        self.window = [4 * max(map(len, p.stop), default=0) + 4 for p in params]
+        self.generator, self.decode, self.aborted = generator, decode, aborted
+        self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
+        self.output_ids: list[list[int]] = [[] for _ in params]
+        self.logprobs: list[list[float]] = [[] for _ in params]
+        self.reasons: list[FinishReason | None] = [None] * rows
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.rows = torch.arange(rows, device=device)
+        self.raw: torch.Tensor | None = None
+
+    def capture(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: the model's last-position logits, before any logits processor."""
+        self.raw = output.logits[:, -1].float()
+
+    def sample(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and its log p under softmax(raw / T) (T = 1 for greedy), untruncated."""
+        temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
+        allowed = raw if self.never is None else raw.index_fill(1, self.never, -torch.inf)
+        tokens = allowed.argmax(dim=-1)
+        if not self.all_greedy:
+            choice = allowed / temperature
+            kept = _top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
+            drawn = torch.multinomial(kept.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+            tokens = torch.where(self.greedy, tokens, drawn)
+        logprobs = (raw / temperature).log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        assert self.raw is not None, "the logits hook did not run"
+        tokens, logprobs = self.sample(self.raw)
+        hit_stop_id = self.stop_ids[self.rows, tokens]
+        step = torch.stack([tokens.double(), logprobs.double(), hit_stop_id.double()]).tolist()
+        for i, (token, logprob, stop_id) in enumerate(zip(*step, strict=True)):
+            if self.reasons[i] is None:
+                self.output_ids[i].append(int(token))
+                self.logprobs[i].append(logprob)
+                self.reasons[i] = self._finish(i, bool(stop_id))
+        if any(r is not None for r in self.reasons):
+            self.done = torch.tensor([r is not None for r in self.reasons], device=self.done.device)
+        return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)
+
+    def _finish(self, i: int, stop_id: bool) -> FinishReason | None:
+        ids, params = self.output_ids[i], self.params[i]
+        if self.aborted(i):
+            return "abort"
+        if stop_id or (params.stop and any(s in self.decode(ids[-self.window[i] :]) for s in params.stop)):
+            return "stop"
+        if len(ids) >= params.max_new_tokens:
+            return "length"
+        return None
+
+
+class _Stopper(StoppingCriteria):
+    """Per-row stop flags, as `_BatchDecoder` decided them this step."""
+
+    def __init__(self, decoder: _BatchDecoder) -> None:
+        self.decoder = decoder
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        return self.decoder.done.clone()
+
+
+class EmbeddedEngine:
+    """The `Engine` protocol over a transformers model in this process (CPU or one GPU)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_size: int = 32,
+        seed: int = 0,
+        batch_window_s: float = 0.005,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.loaded = loaded
+        self.model = loaded.model.eval()
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.device = next(self.model.parameters()).device
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = self._eos_ids()
+        self.placeholder_token_ids = self._placeholder_ids()
+        tokenizer = loaded.tokenizer
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._mm_token_types = (
+            loaded.processor is not None and "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
+        )
+        self._version = 0
+        self._paused = False
+        self._closed = False
+        self._busy = False
+        self._jobs: deque[_Job] = deque()
+        self._updates: deque[_Update] = deque()
+        self._cond = threading.Condition()
+        self._processor_lock = threading.Lock()
+        self._worker = threading.Thread(target=self._loop, name="relax-gym-embedded-engine", daemon=True)
+        self._worker.start()
+
+    # --- the Engine protocol ---------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        self._check_open()
+        self._validate(request)
+        if request.sampling.max_new_tokens == 0:
+            return GenerateOutput([], [], "length", self._version, len(request.input_ids))
+        media = await self._media(request)
+        loop = asyncio.get_running_loop()
+        job = _Job(request, media, loop.create_future(), loop)
+        with self._cond:
+            self._check_open()
+            self._jobs.append(job)
+            self._cond.notify_all()
+        return await job.future
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """Copies `weights` (a state dict, or an HF folder of *.safetensors) into the model between
+        batches and sets the version; every key and shape is checked before anything is copied."""
+        self._check_open()
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise RequestError(f"update_weights: version must be an int, got {version!r}")
+        tensors = await asyncio.to_thread(self._checked_tensors, weights)
+        loop = asyncio.get_running_loop()
+        update = _Update(tensors, version, loop.create_future(), loop)
+        with self._cond:
+            self._check_open()
+            self._updates.append(update)
+            self._cond.notify_all()
+        await update.future
+
+    async def pause(self) -> None:
+        """Returns once the running batch (if any) has finished; queued requests wait for `resume`."""
+        with self._cond:
+            self._paused = True
+        await asyncio.to_thread(self._wait_idle)
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def health(self) -> bool:
+        return not self._closed and self._worker.is_alive()
+
+    async def close(self) -> None:
+        """Stops the worker: the running batch ends with finish_reason "abort" at its next step,
+        queued requests get "abort" outputs, pending weight updates an EngineError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._worker.join)
+
+    # --- preparing requests ----------------------------------------------------------------
+
+    def encode(
+        self, text: str, images: Sequence[Image.Image] = (), audios: Sequence[tuple[np.ndarray, int]] = ()
+    ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """Token ids for `text` with its media placeholders expanded, and the media's processor
+        outputs, exactly as `relax_gym.models.processor_inputs` makes them. Thread-safe."""
+        processor = self.loaded.processor
+        if processor is None:
+            if images or audios:
+                raise RequestError(f"model {self.loaded.name!r} takes text only, not images or audio")
+            with self._processor_lock:
+                return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"], {}
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs["images"] = list(images)
+        if audios:
+            rate = processor.feature_extractor.sampling_rate
+            kwargs["audio"] = [_resample(np.asarray(w, dtype=np.float32), sr, rate) for w, sr in audios]
+            kwargs["sampling_rate"] = rate
+        with self._processor_lock:
+            out = processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
+        return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in TOKEN_KEYS}
+
+    def _eos_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS, Qwen's turn / document ends, and the generation config's EOS ids."""
+        tokenizer = self.loaded.tokenizer
+        vocab = tokenizer.get_vocab()
+        ids = {vocab[t] for t in EOS_TOKENS if t in vocab}
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        configured = self.model.generation_config.eos_token_id
+        ids.update([configured] if isinstance(configured, int) else configured or [])
+        return frozenset(ids)
+
+    def _placeholder_ids(self) -> tuple[int, ...]:
+        """The image / video / audio placeholder ids the processor expands and the model fills."""
+        if self.loaded.processor is None:
+            return ()
+        sources = (self.model.config, self.loaded.processor)
+        names = [f"{kind}_token_{suffix}" for kind in ("image", "video", "audio") for suffix in ("id", "index")]
+        found = {getattr(source, name, None) for source in sources for name in names}
+        return tuple(sorted(i for i in found if isinstance(i, int) and 0 <= i < self.vocab_size))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"the embedded engine for {self.loaded.name!r} is closed")
+
+    def _validate(self, request: GenerateRequest) -> None:
+        ids, params = request.input_ids, request.sampling
+        if not ids:
+            raise RequestError("input_ids: empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        for kind, given in (("image", request.images), ("audio", request.audios)):
+            if given and kind not in self.loaded.modalities:
+                raise RequestError(f"{kind}s given but model {self.loaded.name!r} takes {self.loaded.modalities}")
+        checks = {
+            "temperature": params.temperature >= 0,
+            "top_p": 0 < params.top_p <= 1,
+            "top_k": params.top_k >= 0,
+            "max_new_tokens": params.max_new_tokens >= 0,
+            "stop_token_ids": all(0 <= t < self.vocab_size for t in params.stop_token_ids),
+            "stop": all(isinstance(s, str) and s for s in params.stop),
+        }
+        if failed := [name for name, ok in checks.items() if not ok]:
+            raise RequestError(f"sampling.{failed[0]}: invalid value in {params}")
+
+    async def _media(self, request: GenerateRequest) -> dict[str, torch.Tensor]:
+        """The request's media features: its own `mm_inputs`, else the processor run on its media."""
+        if request.mm_inputs:
+            return {k: v for k, v in request.mm_inputs.items() if k not in TOKEN_KEYS}
+        if not (request.images or request.audios):
+            return {}
+        processor = self.loaded.processor
+        placeholders = getattr(processor, "image_token", "") * len(request.images)
+        placeholders += getattr(processor, "audio_token", "") * len(request.audios)
+        _, media = await asyncio.to_thread(self.encode, placeholders, request.images, request.audios)
+        return media
+
+    def _checked_tensors(self, weights: Any) -> dict[str, torch.Tensor]:
+        """`weights` as {model parameter name: tensor}; raises an EngineError naming any bad key or shape."""
+        if isinstance(weights, (str, os.PathLike)):
+            weights = _read_checkpoint(Path(weights))
+        if not isinstance(weights, Mapping) or not weights:
+            raise RequestError(f"update_weights: expected a non-empty state dict or folder, got {type(weights)}")
+        targets = self.model.state_dict(keep_vars=True)
+        checked: dict[str, torch.Tensor] = {}
+        for key, value in weights.items():
+            name = key if key in targets else self._checkpoint_names.get(key)
+            if name is None:
+                raise RequestError(f"update_weights: {key!r} is not a parameter of {self.loaded.name!r}")
+            if not isinstance(value, torch.Tensor):
+                raise RequestError(f"update_weights: {key!r} is a {type(value).__name__}, not a tensor")
+            if value.shape != targets[name].shape:
+                raise RequestError(
+                    f"update_weights: {key!r} has shape {tuple(value.shape)}, "
+                    f"the model's is {tuple(targets[name].shape)}"
+                )
+            checked[name] = value
+        return checked
+
+    @functools.cached_property
+    def _checkpoint_names(self) -> dict[str, str]:
+        """Checkpoint key → parameter name, where save_pretrained renames keys (e.g. Qwen2-Audio's
+        `audio_tower.*` is `model.audio_tower.*` in memory): inverts transformers' own renaming."""
+        state = self.model.state_dict()
+        by_id = {id(t): name for name, t in state.items()}
+        saved = revert_weight_conversion(self.model, dict(state))
+        return {key: by_id[id(t)] for key, t in saved.items() if id(t) in by_id}
+
+    # --- the worker ------------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return self._closed or bool(self._updates) or (not self._paused and bool(self._jobs))
+
+    def _wait_idle(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy or self._closed)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._closed:
+                    break
+                update = self._updates.popleft() if self._updates else None
+            if update is not None:
+                self._apply(update)
+                continue
+            self._coalesce()
+            with self._cond:
+                jobs = self._take()
+                self._busy = bool(jobs)
+            try:
+                if jobs:
+                    self._run(jobs, self._version)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+        self._drain()
+
+    def _coalesce(self) -> None:
+        """Waits up to `batch_window_s` for a burst of concurrent requests to finish arriving."""
+        deadline = time.monotonic() + self.batch_window_s
+        with self._cond:
+            while len(self._jobs) < self.max_batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    return
+
+    def _take(self) -> list[_Job]:
+        jobs: list[_Job] = []
+        while self._jobs and len(jobs) < self.max_batch_size and not self._paused:
+            job = self._jobs.popleft()
+            if not job.future.cancelled():
+                jobs.append(job)
+        return jobs
+
+    def _drain(self) -> None:
+        """After close: nothing queued may hang."""
+        with self._cond:
+            jobs, updates = list(self._jobs), list(self._updates)
+            self._jobs.clear()
+            self._updates.clear()
+        for job in jobs:
+            job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
+        for update in updates:
+            _resolve(update.loop, update.future, EngineError("the embedded engine closed before the update"))
+
+    def _apply(self, update: _Update) -> None:
+        targets = self.model.state_dict(keep_vars=True)
+        try:
+            with torch.no_grad():
+                for name, value in update.tensors.items():
+                    targets[name].copy_(value)
+        except Exception as err:  # a copy that fails part way leaves mixed weights: say so
+            _resolve(update.loop, update.future, EngineError(f"update_weights failed part way: {err!r}"))
+            return
+        self._version = update.version
+        _resolve(update.loop, update.future, None)
+
+    def _run(self, jobs: list[_Job], version: int) -> None:
+        """One batch; if it fails, its rows run one by one so a bad request fails alone."""
+        try:
+            outputs = self._generate(jobs, version)
+        except Exception as err:
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._run([job], version)
+                return
+            rid = jobs[0].request.rid
+            jobs[0].resolve(EngineError(f"generation failed for request {rid!r}: {err!r}"))
+            return
+        for job, output in zip(jobs, outputs, strict=True):
+            job.resolve(output)
+
+    def _generate(self, jobs: list[_Job], version: int) -> list[GenerateOutput]:
+        prompts = [job.request.input_ids for job in jobs]
+        inputs = self._batch_inputs(prompts, [job.media for job in jobs])
+        decoder = _BatchDecoder(
+            [job.request.sampling for job in jobs],
+            eos=self.eos_token_ids,
+            vocab=self.model.get_output_embeddings().out_features,
+            device=self.device,
+            generator=self._generator,
+            decode=functools.partial(self.loaded.tokenizer.decode, skip_special_tokens=False),
+            aborted=lambda i: self._closed or jobs[i].future.cancelled(),
+            never=self.placeholder_token_ids,
+        )
+        config = GenerationConfig(
+            max_new_tokens=max(job.request.sampling.max_new_tokens for job in jobs),
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=sorted(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            # Neutral values, so none is filled in from the checkpoint's generation_config.
+            temperature=1.0,
+            top_p=1.0,
+            top_k=50,
+            repetition_penalty=1.0,
+        )
+        hook = self.model.register_forward_hook(decoder.capture)
+        try:
+            with torch.inference_mode():
+                self.model.generate(
+                    **inputs,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([decoder]),
+                    stopping_criteria=StoppingCriteriaList([_Stopper(decoder)]),
+                )
+        finally:
+            hook.remove()
+        return [
+            GenerateOutput(ids, lps, reason or "length", version, len(prompt))
+            for ids, lps, reason, prompt in zip(
+                decoder.output_ids, decoder.logprobs, decoder.reasons, prompts, strict=True
+            )
+        ]
+
+    def _batch_inputs(self, prompts: list[list[int]], media: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Left-padded ids and mask, plus every row's media features concatenated in row order."""
+        longest = max(map(len, prompts))
+        ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, longest - len(prompt) :] = torch.tensor(prompt)
+            mask[i, longest - len(prompt) :] = 1
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if self._mm_token_types:
+            inputs["mm_token_type_ids"] = torch.tensor(self.loaded.processor.create_mm_token_type_ids(ids))
+        for key in dict.fromkeys(k for row in media for k in row):
+            value = torch.cat([torch.as_tensor(row[key]) for row in media if key in row])
+            inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder's *.safetensors shards (or of one .safetensors file)."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+        raise RequestError(f"update_weights: no *.safetensors at {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors

@@ -1,0 +1,237 @@
+"""The `Engine` protocol over SGLang's native HTTP API, and a launcher for a real SGLang server.
+
+The client speaks to `python -m sglang.launch_server` at scale and to
+`relax-gym serve` (the embedded engine behind the same routes) anywhere else.
+Images travel as base64 PNG data URLs, audio as base64 float WAV (lossless, so
+both servers see the exact pixels and samples); `mm_inputs` cannot travel, the
+server recomputes them from the media. Connection failures and 5xx answers are
+retried with exponential backoff; 4xx answers are not (retrying cannot help).
+
+With a real SGLang server: `pause()` sends mode "in_place" (SGLang holds running
+requests rather than finishing them: it has no drain mode), a state-dict
+`update_weights` needs this project's `/update_weights_from_tensor` payload (so
+use a folder path there), and a non-integer `weight_version` (SGLang's default
+is "default") leaves `weight_version` at the last integer this client set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import soundfile
+from PIL import Image
+from safetensors.torch import save
+
+from relax_gym.engines.base import EngineError, GenerateOutput, GenerateRequest, RequestError
+
+
+def png_data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def wav_data_url(wave: np.ndarray, rate: int) -> str:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.asarray(wave, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's error message: SGLang's {"error": {"message"}}, {"message"}, FastAPI's {"detail"}, or text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        found = error.get("message") if isinstance(error, dict) else error
+        return str(found or body.get("message") or body.get("detail") or body)
+    return str(body)[:500]
+
+
+def _version(value: Any, fallback: int) -> int:
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+        return int(value)
+    return fallback
+
+
+class SGLangEngine:
+    """An httpx client of one SGLang(-compatible) server at `base_url`."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._version = 0
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+        )
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last output or update seen (0 before any)."""
+        return self._version
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        if request.mm_inputs and not (request.images or request.audios):
+            raise RequestError("mm_inputs cannot be sent over HTTP: pass the images / audios themselves")
+        payload: dict[str, Any] = {
+            "input_ids": list(request.input_ids),
+            "sampling_params": request.sampling.to_sglang(),
+            "return_logprob": True,
+        }
+        if request.rid is not None:
+            payload["rid"] = request.rid
+        if request.images:
+            payload["image_data"] = [png_data_url(image) for image in request.images]
+        if request.audios:
+            payload["audio_data"] = [wav_data_url(wave, rate) for wave, rate in request.audios]
+        body = (await self._request("POST", "/generate", payload)).json()
+        return self._output(body, len(request.input_ids))
+
+    def _output(self, body: dict[str, Any], prompt_tokens: int) -> GenerateOutput:
+        meta = body.get("meta_info") or {}
+        pairs = meta.get("output_token_logprobs") or []
+        ids = [int(t) for t in body.get("output_ids") or [p[1] for p in pairs]]
+        if [int(p[1]) for p in pairs] != ids:
+            raise EngineError(f"server at {self.base_url}: output_token_logprobs do not match output_ids")
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in ("stop", "length", "abort"):
+            raise EngineError(f"server at {self.base_url}: unexpected finish_reason {meta.get('finish_reason')!r}")
+        self._version = _version(meta.get("weight_version"), self._version)
+        return GenerateOutput(
+            ids, [float(p[0]) for p in pairs], reason, self._version, int(meta.get("prompt_tokens", prompt_tokens))
+        )
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        """A folder path goes through /update_weights_from_disk, a state dict through
+        /update_weights_from_tensor as base64 safetensors (understood by `relax-gym serve`)."""
+        if isinstance(weights, (str, os.PathLike)):
+            route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
+        elif isinstance(weights, Mapping):
+            # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
+            blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
+            route, payload = "/update_weights_from_tensor", {"safetensors_b64": base64.b64encode(blob).decode()}
+        else:
+            raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
+        body = (await self._request("POST", route, {**payload, "weight_version": str(version)})).json()
+        if not body.get("success", False):
+            raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
+        self._version = version
+
+    async def pause(self) -> None:
+        await self._request("POST", "/pause_generation", {"mode": "in_place"})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache", None)
+
+    async def model_info(self) -> dict[str, Any]:
+        return (await self._request("GET", "/get_model_info", None)).json()
+
+    async def health(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=min(self.timeout_s, 10.0))
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, route: str, payload: dict[str, Any] | None) -> httpx.Response:
+        """One call with retries on connection failures and 5xx; an EngineError naming the server otherwise."""
+        where = f"server at {self.base_url}"
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await self._client.request(method, route, json=payload)
+            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as err:
+                raise EngineError(f"{where} did not answer {route} within {self.timeout_s} s") from err
+            except httpx.TransportError as err:
+                last = f"unreachable ({type(err).__name__}: {err})"
+                continue
+            if response.status_code < 400:
+                return response
+            last = f"answered {response.status_code} to {route}: {_message(response)}"
+            if response.status_code < 500:
+                raise RequestError(f"{where} {last}")
+            if response.status_code == 501:
+                raise EngineError(f"{where} {last}")
+        raise EngineError(f"{where} failed {route} after {self.retries + 1} attempts: {last}")
+
+
+@dataclass
+class SGLangServer:
+    """A `python -m sglang.launch_server` subprocess; `stop()` (or leaving a `with`) ends it."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> SGLangServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def launch_sglang_server(
+    model_path: str | os.PathLike, port: int, *extra_args: str, host: str = "127.0.0.1", timeout_s: float = 600.0
+) -> SGLangServer:
+    """Starts SGLang on `model_path` and waits until /health answers 200; its log goes to a temp file."""
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineError(
+            f"sglang is not installed in {sys.executable}: install it (pip install 'relax-gym[sglang]') on a "
+            "machine it supports, or serve the embedded engine instead (relax-gym serve --model ...)"
+        )
+    with tempfile.NamedTemporaryFile(prefix="sglang-", suffix=".log", delete=False) as log:
+        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+        process = subprocess.Popen(
+            [*command, "--host", host, "--port", str(port), *extra_args], stdout=log, stderr=subprocess.STDOUT
+        )
+    server = SGLangServer(process, f"http://{host}:{port}", Path(log.name))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise EngineError(f"sglang.launch_server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    server.stop()
+    raise EngineError(f"sglang at {server.url} was not healthy within {timeout_s} s:\n{server.log_tail()}")

@@ -1,0 +1,399 @@
+"""The SGLang client against `relax-gym serve` over real HTTP on loopback: the same tokens and
+logprobs as the in-process engine, media as PNG / WAV, weight updates, pause, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import io
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+import torch
+import uvicorn
+from PIL import Image
+
+from relax_gym import messages as M
+from relax_gym.engines import (
+    EmbeddedEngine,
+    EngineError,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+    SGLangEngine,
+    create_app,
+    launch_sglang_server,
+)
+from relax_gym.engines.sglang import png_data_url, wav_data_url
+from relax_gym.models import MEDIA_KEYS, LoadedModel, load_model, processor_inputs, save_model, sequence_inputs
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _chaotic(name: str) -> LoadedModel:
+    """A tiny model with N(0, 0.3) matrices, so greedy outputs vary from token to token (deterministic)."""
+    loaded = load_model(name)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in loaded.model.parameters():
+            if param.ndim > 1:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return loaded
+
+
+@contextmanager
+def _serving(loaded: LoadedModel) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """`create_app` under uvicorn in a background thread on a free loopback port."""
+    engine = EmbeddedEngine(loaded)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, str]]:
+    """One server per tiny model (chaotic weights), for the tests that do not change weights."""
+    with (
+        _serving(_chaotic("tiny")) as (text, _),
+        _serving(_chaotic("tiny-vl")) as (vl, _),
+        _serving(_chaotic("tiny-audio")) as (audio, _),
+    ):
+        yield {"tiny": text, "tiny-vl": vl, "tiny-audio": audio}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, LoadedModel]:
+    """The same weights as the servers', in this process."""
+    return {name: _chaotic(name) for name in ("tiny", "tiny-vl", "tiny-audio")}
+
+
+def _media_conversation(name: str) -> list[M.Message]:
+    rng = np.random.default_rng(0)
+    if name == "tiny-vl":
+        first = Image.fromarray(rng.integers(0, 255, (48, 80, 3), dtype=np.uint8))
+        second = Image.fromarray(rng.integers(0, 255, (64, 32, 3), dtype=np.uint8))
+        return [M.user("Compare", M.image(first), "with", M.image(second))]
+    if name == "tiny-audio":
+        return [M.user("Listen", M.audio(rng.standard_normal(12_000).astype(np.float32) * 0.1, 16_000))]
+    return [M.user("What is 6*7?")]
+
+
+def _request(loaded: LoadedModel, conversation: list[M.Message], sampling: SamplingParams) -> GenerateRequest:
+    inputs = processor_inputs(loaded, conversation)
+    parts = [p for message in conversation for p in message["content"]]
+    return GenerateRequest(
+        inputs["input_ids"][0].tolist(),
+        sampling,
+        images=[p["image"] for p in parts if p["type"] == "image"],
+        audios=[(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"],
+        mm_inputs={k: inputs[k] for k in MEDIA_KEYS if k in inputs} or None,
+    )
+
+
+def _teacher_forced(loaded: LoadedModel, request: GenerateRequest, output_ids: list[int]) -> torch.Tensor:
+    media = [request.mm_inputs] if request.mm_inputs else []
+    with torch.no_grad():
+        logits = loaded.model(**sequence_inputs(loaded, request.input_ids + output_ids, media)).logits[0].float()
+    scaled = logits[len(request.input_ids) - 1 : -1] / (request.sampling.temperature or 1.0)
+    return scaled.log_softmax(-1).gather(1, torch.tensor(output_ids)[:, None]).squeeze(1)
+
+
+async def _with_client(url: str, use, **kwargs):
+    client = SGLangEngine(url, **{"timeout_s": 30.0, **kwargs})
+    try:
+        return await use(client)
+    finally:
+        await client.close()
+
+
+def _in_process(loaded: LoadedModel, request: GenerateRequest):
+    async def run():
+        engine = EmbeddedEngine(loaded)
+        try:
+            return await engine.generate(request)
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "tiny-audio"])
+def test_client_matches_the_in_process_engine(servers, references, name):
+    """Greedy tokens and logprobs over HTTP (media as PNG / WAV, features recomputed server-side)
+    equal the in-process engine's; sampled logprobs equal the teacher-forced forward."""
+    loaded = references[name]
+    greedy = _request(loaded, _media_conversation(name), GREEDY)
+    sampled = _request(loaded, _media_conversation(name), SamplingParams(temperature=0.8, top_p=0.95))
+    local = _in_process(loaded, greedy)
+
+    async def use(client: SGLangEngine):
+        return await asyncio.gather(client.generate(greedy), client.generate(sampled))
+
+    remote, remote_sampled = asyncio.run(_with_client(servers[name], use))
+    assert remote.output_ids == local.output_ids and len(set(remote.output_ids)) > 3
+    assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
+    assert (remote.finish_reason, remote.weight_version, remote.prompt_tokens) == ("length", 0, len(greedy.input_ids))
+    diff = (_teacher_forced(loaded, sampled, remote_sampled.output_ids) - torch.tensor(remote_sampled.logprobs)).abs()
+    assert diff.max() <= 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_generate_answers_sglangs_schema(servers, references, tmp_path):
+    loaded = references["tiny"]
+    request = _request(loaded, [M.user("What is 6*7?")], GREEDY)
+    local = _in_process(loaded, request)
+    stop = loaded.tokenizer.decode(local.output_ids[5:6])
+    body = {
+        "input_ids": request.input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12, "stop": stop, "n": 1},
+        "return_logprob": True,
+        "rid": "req-1",
+    }
+    answer = httpx.post(f"{servers['tiny']}/generate", json=body, timeout=30).json()
+    ids = answer["output_ids"]
+    first = next(k for k in range(len(local.output_ids)) if stop in loaded.tokenizer.decode(local.output_ids[: k + 1]))
+    assert ids == local.output_ids[: first + 1]
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": stop}
+    assert meta["id"] == "req-1" and meta["weight_version"] == "0"
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(request.input_ids), len(ids))
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == ids
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(local.logprobs[: len(ids)], abs=1e-5)
+    assert stop not in answer["text"]  # SGLang trims the matched stop string from the text
+
+    # `text` prompts are tokenized server-side; the length finish reason says how long.
+    by_text = {
+        "text": "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+    }
+    answer = httpx.post(f"{servers['tiny']}/generate", json=by_text, timeout=30).json()
+    assert answer["output_ids"] == local.output_ids
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert "output_token_logprobs" not in answer["meta_info"]
+
+
+@pytest.mark.timeout(60)
+def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, tmp_path):
+    loaded = references["tiny-vl"]
+    request = _request(loaded, _media_conversation("tiny-vl"), GREEDY)
+    local = _in_process(loaded, request)
+    first, second = request.images
+    first.save(tmp_path / "first.png")
+    bare = png_data_url(second).partition(",")[2]
+    body = {
+        "input_ids": request.input_ids,
+        "image_data": [str(tmp_path / "first.png"), bare],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+    }
+    assert httpx.post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()["output_ids"] == local.output_ids
+    # A text prompt with one placeholder per image is expanded by the server's processor.
+    text = (
+        "<|im_start|>user\nCompare<|vision_start|><|image_pad|><|vision_end|>with"
+        "<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    )
+    body = {**body, "text": text}
+    del body["input_ids"]
+    answer = httpx.post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()
+    assert answer["output_ids"] == local.output_ids and answer["meta_info"]["prompt_tokens"] == len(request.input_ids)
+
+    audio = references["tiny-audio"]
+    clip = _request(audio, _media_conversation("tiny-audio"), GREEDY)
+    body = {
+        "input_ids": clip.input_ids,
+        "audio_data": wav_data_url(*clip.audios[0]),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+    }
+    answer = httpx.post(f"{servers['tiny-audio']}/generate", json=body, timeout=30).json()
+    assert answer["output_ids"] == _in_process(audio, clip).output_ids
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("/generate", {"sampling_params": {}}, "give exactly one of text or input_ids"),
+        ("/generate", {"input_ids": [1], "text": "x"}, "give exactly one of text or input_ids"),
+        ("/generate", {"input_ids": [[1, 2], [3]]}, "input_ids.0"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"frobnicate": 1}}, "'frobnicate'"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, "n=2 is not supported"),
+        ("/generate", {"input_ids": [1], "stream": True}, "stream"),
+        ("/generate", {"input_ids": [1, 10**7]}, "input_ids: [10000000] outside the vocabulary"),
+        ("/generate", {"input_ids": [1], "image_data": ["data:image/png;base64,!!!"]}, "image_data[0]"),
+        ("/generate", {"input_ids": [1], "image_data": [base64.b64encode(b"nope").decode()]}, "image_data[0]"),
+        ("/generate", {"input_ids": [1], "image_data": ["https://example.com/a.png"]}, "image_data[0]: URLs"),
+        ("/generate", {"input_ids": [1], "audio_data": ["/no/such/file.wav"]}, "audio_data[0]"),
+        ("/update_weights_from_disk", {}, "model_path: Field required"),
+        ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v2"}, "weight_version"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_b64"),
+        ("/update_weights_from_tensor", {"safetensors_b64": "!!"}, "safetensors_b64"),
+        ("/pause_generation", {"mode": "abort"}, "mode"),
+    ],
+)
+def test_malformed_requests_get_400_naming_the_field(servers, route, body, field):
+    response = httpx.post(f"{servers['tiny']}{route}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    message = response.json().get("error", {}).get("message") or response.json().get("message")
+    assert field in message, message
+
+
+@pytest.mark.timeout(60)
+def test_client_raises_request_errors_without_retrying(servers, references):
+    bad = GenerateRequest([1, 10**7], GREEDY)
+
+    async def use(client: SGLangEngine):
+        started = time.monotonic()
+        with pytest.raises(RequestError, match=r"answered 400 to /generate: input_ids"):
+            await client.generate(bad)
+        with pytest.raises(EngineError, match=r"answered 501 to /update_weights_from_distributed"):
+            await client._request("POST", "/update_weights_from_distributed", {})
+        return time.monotonic() - started
+
+    assert asyncio.run(_with_client(servers["tiny"], use, retries=3, backoff_s=2.0)) < 2.0
+
+
+# --- weights, pause, health ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_weight_updates_from_disk_and_tensors(tmp_path):
+    trained = _chaotic("tiny")
+    with torch.no_grad():
+        for param in trained.model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
+    save_model(trained, tmp_path / "step-7")
+    request = _request(trained, [M.user("What is 6*7?")], SamplingParams(temperature=0, max_new_tokens=16))
+    expected = _in_process(trained, request)
+
+    with _serving(_chaotic("tiny")) as (url, engine):
+
+        async def use(client: SGLangEngine):
+            before = await client.generate(request)
+            await client.update_weights(tmp_path / "step-7", 7)
+            after_disk = await client.generate(request)
+            await client.update_weights({"model.norm.weight": torch.ones(64)}, 8)
+            after_tensor = await client.generate(request)
+            with pytest.raises(RequestError, match=r"'model\.nope' is not a parameter"):
+                await client.update_weights({"model.nope": torch.ones(2)}, 9)
+            return before, after_disk, after_tensor, client.weight_version, await client.model_info()
+
+        before, after_disk, after_tensor, version, info = asyncio.run(_with_client(url, use))
+        assert before.weight_version == 0 and before.output_ids != expected.output_ids
+        assert after_disk.weight_version == 7 and after_disk.output_ids == expected.output_ids
+        assert after_tensor.weight_version == 8 and version == 8 and engine.weight_version == 8
+        assert torch.equal(engine.model.model.norm.weight, torch.ones(64))
+        assert info["weight_version"] == "8" and info["model_path"] == "tiny" and info["is_generation"]
+
+
+@pytest.mark.timeout(60)
+def test_pause_continue_health_and_info(servers):
+    url = servers["tiny"]
+
+    async def use(client: SGLangEngine):
+        assert await client.health()
+        await client.pause()
+        held = asyncio.create_task(client.generate(GenerateRequest([5, 6], GREEDY)))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        async with httpx.AsyncClient(base_url=url) as raw:
+            assert (await raw.get("/health_generate")).status_code == 503
+            assert (await raw.get("/get_server_info")).json()["paused"] is True
+        await client.resume()
+        out = await asyncio.wait_for(held, 10)
+        await client.flush_cache()
+        return out
+
+    assert len(asyncio.run(_with_client(url, use)).output_ids) == GREEDY.max_new_tokens
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    assert info["backend"].startswith("relax_gym embedded") and info["max_batch_size"] == 32
+    assert httpx.get(f"{servers['tiny-vl']}/get_model_info", timeout=30).json()["has_image_understanding"]
+
+
+# --- `serve` itself, then a stopped server -----------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_serve_in_a_subprocess_then_a_stopped_server_raises(tmp_path, references):
+    """`serve` on a saved checkpoint folder answers like the in-process engine; once it is stopped
+    the client raises an EngineError naming the URL, within its retry budget."""
+    save_model(references["tiny"], tmp_path / "model")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    code = f"from relax_gym.engines import serve; serve({str(tmp_path / 'model')!r}, port={port})"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    request = _request(references["tiny"], [M.user("Hello")], GREEDY)
+    try:
+
+        async def ready_then_generate(client: SGLangEngine):
+            deadline = time.monotonic() + 90
+            while not await client.health():
+                assert process.poll() is None, process.stderr.read().decode()
+                assert time.monotonic() < deadline, "serve did not come up"
+                await asyncio.sleep(0.2)
+            return await client.generate(request)
+
+        served = asyncio.run(_with_client(url, ready_then_generate))
+        assert served.output_ids == _in_process(references["tiny"], request).output_ids
+    finally:
+        process.terminate()
+        process.wait(30)
+
+    async def stopped(client: SGLangEngine):
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"server at {url} failed /generate after 3 attempts: unreachable"):
+            await client.generate(request)
+        assert not await client.health()
+        return time.monotonic() - started
+
+    assert asyncio.run(_with_client(url, stopped, timeout_s=5.0, retries=2, backoff_s=0.05)) < 5.0
+
+
+def test_png_and_wav_round_trip_exactly():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (7, 9, 3), dtype=np.uint8))
+    decoded = Image.open(io.BytesIO(base64.b64decode(png_data_url(image).partition(",")[2])))
+    assert np.array_equal(np.asarray(decoded), np.asarray(image))
+    wave = np.random.default_rng(0).standard_normal(100).astype(np.float32)
+    back, rate = soundfile.read(
+        io.BytesIO(base64.b64decode(wav_data_url(wave, 8000).partition(",")[2])), dtype="float32"
+    )
+    assert rate == 8000 and np.array_equal(back, wave)
+
+
+def test_launcher_says_when_sglang_is_missing():
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here: tests/test_sglang_real.py launches it")
+    with pytest.raises(EngineError, match="sglang is not installed"):
+        launch_sglang_server("/nowhere", _free_port())
