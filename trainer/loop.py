@@ -88,7 +88,7 @@ class Trainer:
             self.engine, self.loaded, sampling=self.sampling,
             limits=RolloutLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
                                  episode_timeout_s=r.episode_timeout_s),
-            max_concurrency=r.concurrency,
+            max_concurrency=r.concurrency, sampling_seed=cfg.seed,
         )
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)
@@ -120,35 +120,20 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        cfg = self.cfg
+        """Trains to `total_steps`; Ctrl-C (or cancellation) finishes the running step, checkpoints and plots."""
         await self._resume()
-        keep = (lambda g: bool(filter_uniform_groups(
-            torch.tensor([t.reward for t in g]), [0] * len(g)).all())) if self.algo.filter_uniform_groups else None
-        staleness = 0 if cfg.trainer.mode == "sync" else cfg.trainer.max_staleness
-        bus = DataBus(cfg.rollout.groups_per_step, staleness, keep=keep)
-        bus.version = self.step
-        producer = asyncio.create_task(self._produce(bus))
         interrupted = False
         try:
-            while self.step < cfg.trainer.total_steps:
-                t0 = time.perf_counter()
-                groups = await bus.take()
-                waited = time.perf_counter() - t0
-                step = asyncio.ensure_future(self._train_on(groups, bus, waited))
-                try:
-                    await asyncio.shield(step)
-                except asyncio.CancelledError:
-                    await step  # finish the step (its optimizer update runs in a thread) before stopping
-                    raise
+            if self.cfg.trainer.mode == "sync":
+                await self._run_sync()
+            else:
+                await self._run_async()
         except (KeyboardInterrupt, asyncio.CancelledError):
             interrupted = True
         finally:
-            await bus.close()
-            producer.cancel()
-            if interrupted:
-                for job in self._eval_tasks:
-                    job.cancel()
-            await asyncio.gather(producer, *self._eval_tasks, return_exceptions=True)
+            for job in self._eval_tasks if interrupted else ():
+                job.cancel()
+            await asyncio.gather(*self._eval_tasks, return_exceptions=True)
             if self.step > self.checkpoints.latest_step():
                 self._checkpoint()
             self.log.close(plot=True)
@@ -157,6 +142,45 @@ class Trainer:
         summary = self.log.summary()
         summary["interrupted"] = interrupted
         return summary
+
+    def _keep(self, group: Group) -> bool:
+        if not self.algo.filter_uniform_groups:
+            return True
+        return bool(filter_uniform_groups(torch.tensor([t.reward for t in group]), [0] * len(group)).all())
+
+    async def _run_sync(self) -> None:
+        """The colocated schedule: generate one step's groups, train on them, push weights, repeat."""
+        filtered = 0
+        while self.step < self.cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            groups: list[Group] = []
+            while len(groups) < self.cfg.rollout.groups_per_step:  # refill what the filter drops
+                tasks = range(self.next_task, self.next_task + self.cfg.rollout.groups_per_step - len(groups))
+                self.next_task = tasks.stop
+                for group in await asyncio.gather(*(self.run_task(t) for t in tasks)):
+                    if self._keep(group):
+                        groups.append(group)
+                    else:
+                        filtered += 1
+            await _finish_step(self._train_on(groups, time.perf_counter() - t0, {"filtered_total": filtered}))
+
+    async def _run_async(self) -> None:
+        """Rollouts run ahead of training by at most `max_staleness` versions (see DataBus)."""
+        bus = DataBus(self.cfg.rollout.groups_per_step, self.cfg.trainer.max_staleness, keep=self._keep)
+        bus.version = self.step
+        producer = asyncio.create_task(self._produce(bus))
+        try:
+            while self.step < self.cfg.trainer.total_steps:
+                t0 = time.perf_counter()
+                groups = await bus.take()
+                counters = {"dropped_stale_total": bus.dropped_stale, "filtered_total": bus.filtered,
+                            "staleness_histogram": dict(bus.staleness_histogram)}
+                await _finish_step(self._train_on(groups, time.perf_counter() - t0, counters))
+                await bus.advance(self.step)
+        finally:
+            await bus.close()
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
 
     async def _produce(self, bus: DataBus) -> None:
         """Starts groups as admission allows; each goes to the bus when done."""
@@ -182,7 +206,7 @@ class Trainer:
                 job.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _train_on(self, groups: list[Group], bus: DataBus, waited: float) -> None:
+    async def _train_on(self, groups: list[Group], waited: float, counters: dict[str, Any]) -> None:
         cfg = self.cfg
         groups = sorted(groups, key=lambda g: g[0].seed if g and g[0].seed is not None else 0)
         samples = [s for g in groups for s in group_to_samples(g, self.algo.std_normalize)]
@@ -211,8 +235,7 @@ class Trainer:
         t0 = time.perf_counter()
         await self._push_weights()
         timings["weight_sync_s"] = time.perf_counter() - t0
-        await bus.advance(self.step)
-        self.log.step(self.step, groups, samples, train_metrics, timings, bus)
+        self.log.step(self.step, groups, samples, train_metrics, timings, counters)
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.total_steps:
             self._checkpoint()
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
@@ -266,6 +289,17 @@ class Trainer:
         self.next_task = int(extra["next_task"])
         self.log.truncate_after(self.step)
         await self._push_weights()  # the engine was built from the initial weights
+
+
+async def _finish_step(step: Any) -> None:
+    """Runs a training step to its end even if the run is interrupted meanwhile (its update runs in a
+    thread, and a checkpoint taken halfway through would not match the logged step)."""
+    job = asyncio.ensure_future(step)
+    try:
+        await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await job
+        raise
 
 
 def _yaml(cfg: TrainConfig) -> str:

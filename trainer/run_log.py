@@ -17,7 +17,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from relax_gym.trainer.backends.base import Sample
-from relax_gym.trainer.databus import DataBus, Group, group_staleness
+from relax_gym.trainer.databus import Group, group_staleness
 
 
 class RunLog:
@@ -48,7 +48,8 @@ class RunLog:
             self._tb.flush()
 
     def step(self, step: int, groups: list[Group], samples: list[Sample], train: dict[str, float],
-             timings: dict[str, float], bus: DataBus) -> dict[str, Any]:
+             timings: dict[str, float], counters: dict[str, Any]) -> dict[str, Any]:
+        """One line per optimizer step; `counters` are run totals (filtered / stale-dropped groups, ...)."""
         now = time.perf_counter()
         trajs = [t for g in groups for t in g]
         per_env: dict[str, list[float]] = defaultdict(list)
@@ -70,8 +71,7 @@ class RunLog:
             "trained_seq_len_mean": fmean(len(s.token_ids) for s in samples) if samples else 0.0,
             "tokens_per_s": generated / max(now - self.last_step_time, 1e-9),
             "step_time_s": now - self.last_step_time,
-            "dropped_stale_total": bus.dropped_stale,
-            "filtered_total": bus.filtered,
+            **counters,
             **{k: round(v, 6) for k, v in timings.items()},
             **{f"train/{k}": v for k, v in train.items()},
         }

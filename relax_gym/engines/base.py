@@ -33,6 +33,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    #: a per-request seed makes the request's samples independent of what it is batched with
+    seed: int | None = None
 
     def to_sglang(self) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -45,6 +47,8 @@ class SamplingParams:
             params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
         return params
 
 

@@ -150,6 +150,11 @@ class _BatchDecoder(LogitsProcessor):
         # Enough trailing tokens to hold any stop string, even one byte per token.
         self.window = [4 * max(map(len, p.stop), default=0) + 4 for p in params]
         self.generator, self.decode, self.aborted = generator, decode, aborted
+        # rows with their own seed draw from their own generator, whatever else is in the batch
+        self.row_generators = [
+            None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params
+        ]
+        self.seeded = [i for i, g in enumerate(self.row_generators) if g is not None]
         self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
         self.output_ids: list[list[int]] = [[] for _ in params]
         self.logprobs: list[list[float]] = [[] for _ in params]
@@ -170,7 +175,10 @@ class _BatchDecoder(LogitsProcessor):
         if not self.all_greedy:
             choice = allowed / temperature
             kept = _top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
-            drawn = torch.multinomial(kept.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+            probs = kept.softmax(dim=-1)
+            drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            for i in self.seeded:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=self.row_generators[i])[0]
             tokens = torch.where(self.greedy, tokens, drawn)
         logprobs = (raw / temperature).log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
         return tokens, logprobs

@@ -69,6 +69,7 @@ class SamplingIn(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    sampling_seed: int | None = None
 
     @model_validator(mode="after")
     def _only_neutral_extras(self) -> SamplingIn:
@@ -88,6 +89,7 @@ class SamplingIn(BaseModel):
             max_new_tokens=self.max_new_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            seed=self.sampling_seed,
         )
 
 

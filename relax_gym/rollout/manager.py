@@ -9,10 +9,11 @@ an env exception makes a `failed` trajectory, an engine error or a timeout an
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from relax_gym.core import Env
@@ -68,6 +69,7 @@ class RolloutManager:
         sampling: SamplingParams | None = None,
         limits: RolloutLimits | None = None,
         max_concurrency: int = 256,
+        sampling_seed: int | None = None,
     ):
         self.engine = engine
         self.loaded = loaded
@@ -76,6 +78,9 @@ class RolloutManager:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._pools: dict[tuple[str, str], EnvPool] = {}
         self.eos_ids = _eos_ids(loaded)
+        #: when set, every request is seeded from (this, task seed, member of the group, turn), so a
+        #: run's samples do not depend on request timing or batching
+        self.sampling_seed = sampling_seed
 
     def pool(self, env_id: str, env_kwargs: dict[str, Any] | None = None) -> EnvPool:
         key = (env_id, repr(sorted((env_kwargs or {}).items())))
@@ -89,7 +94,8 @@ class RolloutManager:
         """`group_size` episodes of the same task (same reset seed), for group-relative advantages."""
         pool = self.pool(env_id, env_kwargs)
         group_id = f"{env_id}#{seed}"
-        return list(await asyncio.gather(*(self.run_episode(pool, seed, group_id) for _ in range(group_size))))
+        return list(await asyncio.gather(*(self.run_episode(pool, seed, group_id, member)
+                                           for member in range(group_size))))
 
     async def run(self, env_id: str, n_tasks: int, group_size: int = 1, *, seed: int = 0,
                   env_kwargs: dict[str, Any] | None = None,
@@ -105,10 +111,10 @@ class RolloutManager:
         groups = await asyncio.gather(*(one(i) for i in range(n_tasks)))
         return [t for g in groups for t in g]
 
-    async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "") -> Trajectory:
+    async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "", member: int = 0) -> Trajectory:
         async with self._slots:
             env = pool.acquire()
-            episode = _Episode(self, env, pool.env_id, seed, group_id)
+            episode = _Episode(self, env, pool.env_id, seed, group_id, member)
             try:
                 await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
             except TimeoutError:
@@ -125,8 +131,9 @@ class RolloutManager:
 class _Episode:
     """The state of one running episode; `play` fills it, `trajectory` freezes it."""
 
-    def __init__(self, manager: RolloutManager, env: Env, env_id: str, seed: int, group_id: str):
+    def __init__(self, manager: RolloutManager, env: Env, env_id: str, seed: int, group_id: str, member: int):
         self.m, self.env, self.env_id, self.seed, self.group_id = manager, env, env_id, seed, group_id
+        self.member = member
         self.conv: ConversationTokens | None = None
         self.status: Status | None = None
         self.reason = ""
@@ -172,14 +179,17 @@ class _Episode:
                 return
             sampling = m.sampling
             if budget < sampling.max_new_tokens:
-                sampling = _with_max_new(sampling, budget)
+                sampling = replace(sampling, max_new_tokens=budget)
+            if m.sampling_seed is not None:
+                key = f"{m.sampling_seed}/{self.seed}/{self.member}/{self.conv.turns}".encode()
+                sampling = replace(sampling, seed=int.from_bytes(hashlib.blake2b(key, digest_size=7).digest()))
             request = GenerateRequest(
                 input_ids=list(self.conv.token_ids),
                 sampling=sampling,
                 images=[x for x in self.conv.media if not isinstance(x, tuple)],
                 audios=[x for x in self.conv.media if isinstance(x, tuple)],
                 mm_inputs=self.conv.engine_media() or None,
-                rid=f"{self.group_id}/{id(self)}/{self.conv.turns}",
+                rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
             )
             start = time.perf_counter()
             try:
@@ -194,7 +204,8 @@ class _Episode:
                 self.end("aborted", "engine aborted the request")
                 return
             if out.finish_reason == "length":
-                self.end("truncated", "token_budget" if sampling is not m.sampling else "max_new_tokens")
+                self.end("truncated", "token_budget" if sampling.max_new_tokens < m.sampling.max_new_tokens
+                         else "max_new_tokens")
                 return
             stepped = await self._env_call("step", env.astep(action))
             if stepped is None:
@@ -255,12 +266,6 @@ class _Episode:
         )
         traj.check()
         return traj
-
-
-def _with_max_new(sampling: SamplingParams, n: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sampling, max_new_tokens=n)
 
 
 def _task_text(messages: Sequence[dict[str, Any]]) -> str:

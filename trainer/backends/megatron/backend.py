@@ -1,0 +1,488 @@
+"""`MegatronBackend`: the TrainBackend contract on a megatron-core `GPTModel` with TP / PP / DP.
+
+Layout. Every rank of the job constructs the backend and calls each method with
+the same arguments (SPMD, as under `torchrun`): the full list of samples goes
+to every rank, each data-parallel rank takes a token-balanced share, and the
+results (logprobs, metrics, HF weights) come back complete on every rank. The
+data-parallel size is what the world size leaves after TP × PP. Without a
+process group (a plain single process) the backend starts a one-rank gloo
+group itself.
+
+Training. The step runs through megatron's own forward/backward schedule
+(micro-batches, pipeline p2p, DDP gradient reduction), its distributed Adam
+with gradient clipping, and a constant-LR `OptimizerParamScheduler` (which is
+also what leaves norms and biases without weight decay, as Megatron does).
+The loss function normalises by the step totals in the `MicroBatch`, so the
+gradients must be summed, never averaged, over micro-batches and DP ranks: the
+backend reports its losses to the schedule with a token count of 0 under
+`calculate_per_token_loss`, which makes megatron leave them unscaled.
+
+Logprobs are computed on the vocabulary-parallel logits without gathering
+them: max, sum-exp and the target logit are reduced over the TP group with
+megatron's differentiable all-reduce, so entropy bonuses train through TP too.
+
+Checkpoints are plain `torch.save` files (weights per model-parallel rank,
+optimizer shards and RNG per rank), loadable into the same (TP, PP, DP) layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mbridge.core.util import unwrap_model
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from relax_gym.models import TINY_MODELS, LoadedModel, load_model
+from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample
+from relax_gym.trainer.backends.megatron import compat
+from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
+
+ModelSource = str | Path | LoadedModel | PreTrainedModel
+
+#: bump when the checkpoint layout changes
+CHECKPOINT_FORMAT = 1
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token `log_softmax(logits / T)` of the next token (+ entropy) from vocab-parallel logits.
+
+    `logits` is [B, S, V/tp] (this rank's vocabulary slice), `input_ids` [B, S].
+    Returns [B, S] tensors aligned as the contract says: position t scores token
+    t given tokens < t, position 0 is 0. Differentiable through the TP reductions.
+    """
+    logits = logits[:, :-1].float() / temperature
+    target = input_ids[:, 1:]
+    group = mpu.get_tensor_model_parallel_group()
+    reduce = partial(tensor_parallel.reduce_from_tensor_model_parallel_region, group=group)  # sum; grad passes
+    vocab_start = mpu.get_tensor_model_parallel_rank() * logits.size(-1)
+
+    with torch.no_grad():  # any shift works for a log-sum-exp; the global max keeps exp() in range
+        shift = logits.max(dim=-1, keepdim=True).values
+        if mpu.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - shift
+    exp = shifted.exp()
+    sum_exp = reduce(exp.sum(dim=-1))
+    log_z = sum_exp.log()
+
+    local = target - vocab_start
+    here = (local >= 0) & (local < logits.size(-1))
+    picked = shifted.gather(-1, local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce(picked * here)
+    logprobs = torch.nn.functional.pad(target_logit - log_z, (1, 0))
+    if not with_entropy:
+        return logprobs, None
+    expected = reduce((exp * shifted).sum(dim=-1))
+    entropy = torch.nn.functional.pad(log_z - expected / sum_exp, (1, 0))
+    return logprobs, entropy
+
+
+@dataclass
+class _Batch:
+    """One right-padded micro-batch as the model consumes it; `indices` point into the step's samples."""
+
+    indices: list[int]
+    lengths: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+
+    @property
+    def empty(self) -> bool:
+        """A placeholder for a DP rank left without samples, so that its collectives still match."""
+        return not self.indices
+
+
+def _padded(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rows right-padded with 0 to [len(rows), width], built on the CPU and moved once."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out.to(device)
+
+
+_OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
+
+
+def _check(samples: Sequence[Sample], temperature: float) -> None:
+    """Rejects what would fail deep inside a collective or silently misalign (the torch backend's rules)."""
+    if not samples:
+        raise ValueError("no samples")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
+        fields |= {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
+        if n == 0 or any(len(v) != n for v in fields.values()):
+            lengths = {k: len(v) for k, v in fields.items()}
+            raise ValueError(f"sample {i}: per-token fields {lengths} must match its {n} token_ids (> 0)")
+        if s.loss_mask[0]:
+            raise ValueError(f"sample {i}: token 0 is trained, but it has no context to be predicted from")
+        if s.mm_inputs:
+            raise NotImplementedError(f"sample {i} has multimodal inputs; the Megatron backend trains text models")
+    for f in _OPTIONAL_FIELDS:
+        if len({getattr(s, f) is None for s in samples}) > 1:
+            raise ValueError(f"{f} is set on some samples and not others")
+
+
+def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
+    """A process group (torchrun's, or a one-rank gloo group) and megatron's parallel state."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp) or (dp is not None and dp * tp * pp != world):
+        raise ValueError(f"world size {world} is not tp ({tp}) × pp ({pp}) × dp ({dp or 'any'})")
+    if mpu.model_parallel_is_initialized():
+        layout = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+        if layout != (tp, pp):
+            raise RuntimeError(f"megatron's parallel state is already (tp, pp) = {layout}; one layout per process")
+    else:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _hf_source(model: ModelSource) -> tuple[PretrainedConfig, WeightSource]:
+    """The HF config and where its weights come from: a folder read lazily, or an in-memory model."""
+    if isinstance(model, str) and model in TINY_MODELS:
+        model = load_model(model)
+    if isinstance(model, LoadedModel):
+        model = model.model
+    if isinstance(model, PreTrainedModel):
+        return model.config, model.state_dict()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint folder (no config.json)")
+    return AutoConfig.from_pretrained(path, local_files_only=True), path
+
+
+class MegatronBackend:
+    """TrainBackend on megatron-core; see the module docstring for the layout and the maths."""
+
+    @compat.on_cpu
+    def __init__(
+        self,
+        model: ModelSource,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        micro_batch_tokens: int = 4096,
+        seed: int = 0,
+        adam_betas: tuple[float, float] = (0.9, 0.999),
+        adam_eps: float = 1e-8,
+    ):
+        """`model`: a tiny-model name, an HF checkpoint folder, a `LoadedModel` or a `PreTrainedModel`.
+
+        `dp` defaults to what the world size leaves after `tp × pp`; pass it to
+        assert the layout. `grad_clip` None or ≤ 0 turns clipping off (the norm is still reported).
+        """
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+        _init_distributed(tp, pp, dp)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.version = 0
+        self.micro_batch_tokens = micro_batch_tokens
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.tp, self.pp, self.dp = tp, pp, mpu.get_data_parallel_world_size()
+        hf_config, weights = _hf_source(model)
+        if hf_config.vocab_size % tp:
+            # padding the vocabulary would add logits that the log-softmax would have to mask out
+            raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
+        self.bridge = make_bridge(hf_config, dtype=torch.float32)
+        self.bridge.set_extra_args(calculate_per_token_loss=True, variable_seq_lengths=True)
+        with torch.random.fork_rng(devices=[]):  # init values are overwritten; keep the caller's RNG
+            torch.manual_seed(seed)
+            self.models: list[torch.nn.Module] = self.bridge.get_model(
+                wrap_with_ddp=True, fp16=False, bf16=False, data_parallel_random_init=False,
+                ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": True,
+                            "overlap_grad_reduce": False, "overlap_param_gather": False},
+            )
+        self.bridge.load_weights(self.models, weights)
+        del weights
+        get_model_config(self.models[0]).finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, adam_beta1=adam_betas[0],
+                adam_beta2=adam_betas[1], adam_eps=adam_eps,
+                clip_grad=grad_clip if grad_clip and grad_clip > 0 else math.inf,
+                loss_scale=1.0,  # a constant scaler of 1 changes no number; it adds the found-inf check
+                use_distributed_optimizer=True, params_dtype=torch.float32,
+            ),
+            self.models,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=lr, max_lr=lr, min_lr=lr, lr_warmup_steps=0, lr_decay_steps=1,
+            lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # --- contract -----------------------------------------------------------------------
+    @compat.on_cpu
+    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> list[LogprobOutput]:
+        """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
+        _check(samples, temperature)
+        for m in self.models:
+            m.eval()
+        collect = partial(self._collect, temperature=temperature, with_entropy=with_entropy)
+        with torch.no_grad():
+            rows = self._run(samples, collect, forward_only=True)
+        out: list[LogprobOutput | None] = [None] * len(samples)
+        for batch_rows in rows:
+            for i, logprobs, entropy in batch_rows:
+                out[i] = LogprobOutput(logprobs=logprobs, entropy=entropy)
+        return out  # type: ignore[return-value]  # every index is filled by exactly one DP rank
+
+    @compat.on_cpu
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        """Forward/backward over micro-batches (token budget), clip, one Adam step; version += 1.
+
+        Metrics: the loss function's, summed over micro-batches and DP ranks, and
+        `loss`, `grad_norm`, `lr`, `micro_batches`, `tokens`, `sequences`,
+        `skipped` (the torch backend's keys). A step with a non-finite gradient
+        is not applied (megatron's found-inf check, through a constant loss
+        scale of 1) but still counts as a step.
+        """
+        _check(samples, temperature)
+        for m in self.models:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        totals = (sum(sum(s.loss_mask) for s in samples), sum(1 for s in samples if any(s.loss_mask)))
+        loss = partial(self._loss, samples=samples, loss_fn=loss_fn, temperature=temperature, totals=totals)
+        summed: dict[str, float] = defaultdict(float)
+        outputs = self._run(samples, loss, forward_only=False)
+        for metrics in outputs:
+            for key, value in metrics.items():
+                summed[key] += value
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=1)
+        self.version += 1
+        return {
+            **summed,
+            "grad_norm": math.nan if grad_norm is None else float(grad_norm),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "micro_batches": float(len(outputs)),
+            "tokens": float(totals[0]),
+            "sequences": float(totals[1]),
+            "skipped": float(not applied),
+        }
+
+    @compat.on_cpu
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Current weights under Hugging Face names, full (gathered) CPU copies, on every rank."""
+        return export_hf(self.bridge, self.models)
+
+    @compat.on_cpu
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        """Model, optimizer (+ LR scheduler), RNG states and `extra`; collective, all ranks write into `path`.
+
+        `model_tp{t}_pp{p}.pt`: the (TP, PP) shard of the weights and the scheduler,
+        from DP rank 0; `rank{r}.pt`: each rank's optimizer shard (the torch Adam
+        states of its distributed-optimizer slice) and RNG states; `meta.pt`:
+        version, layout and `extra`. megatron's own DP-rank-0 parameter-state
+        format is not used: with torch's AdamW (no apex / TE) it fails on the
+        per-parameter `step` entry.
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if mpu.get_data_parallel_rank() == 0:
+            torch.save({"model": [unwrap_model(m).state_dict() for m in self.models],
+                        "scheduler": self.scheduler.state_dict()}, path / f"model_{self._mp_tag()}.pt")
+        torch.save({"optimizers": [o.state_dict() for o in self._torch_optimizers()], "rng": _rng_state()},
+                   path / f"rank{dist.get_rank():05d}.pt")
+        if dist.get_rank() == 0:
+            torch.save({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout(),
+                        "extra": extra}, path / "meta.pt")
+        dist.barrier()
+
+    @compat.on_cpu
+    @torch.no_grad()  # fp32 main params are views of the (grad-requiring) model params; loading writes them
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores what `save_checkpoint` wrote (same TP/PP/DP layout) and returns `extra`."""
+        path = Path(path)
+        # our own files, which hold the caller's arbitrary `extra` and numpy RNG state: full unpickling is intended
+        meta = torch.load(path / "meta.pt", weights_only=False)
+        if meta["format"] != CHECKPOINT_FORMAT or meta["layout"] != self._layout():
+            raise ValueError(f"{path}: checkpoint format {meta['format']} / layout {meta['layout']}, "
+                             f"this backend reads format {CHECKPOINT_FORMAT} / layout {self._layout()}")
+        shared = torch.load(path / f"model_{self._mp_tag()}.pt", weights_only=False, map_location=self.device)
+        for m, model_state in zip(self.models, shared["model"], strict=True):
+            unwrap_model(m).load_state_dict(model_state)
+        self.optimizer.reload_model_params()
+        mine = torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=False, map_location=self.device)
+        for optimizer, state in zip(self._torch_optimizers(), mine["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
+        self.scheduler.load_state_dict(shared["scheduler"])
+        _set_rng_state(mine["rng"])
+        self.version = meta["version"]
+        return meta["extra"]
+
+    # --- micro-batches and the schedule ---------------------------------------------------
+    def _run(self, samples: Sequence[Sample], reduce: Callable[..., Any], *, forward_only: bool) -> list[Any]:
+        """Megatron's schedule over this DP rank's micro-batches; `reduce`'s outputs of all micro-batches of all
+        DP ranks."""
+        batches = self._micro_batches(samples)
+        store = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, reduce=reduce),
+            data_iterator=iter(batches),
+            model=self.models,
+            num_microbatches=len(batches),
+            seq_length=max(b.input_ids.size(1) for b in batches),
+            micro_batch_size=max(b.input_ids.size(0) for b in batches),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+        # outputs exist on the last pipeline stage; every TP rank there holds the same ones
+        holds = mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+        gathered: list[list[Any] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, store if holds else None)
+        return [output for part in gathered if part is not None for output in part]
+
+    @staticmethod
+    def _forward_step(data_iterator: Iterator[_Batch], model: torch.nn.Module,
+                      reduce: Callable[..., Any]) -> tuple[torch.Tensor, Callable[..., Any]]:
+        batch = next(data_iterator)
+        return model(batch.input_ids, batch.position_ids, None), partial(reduce, batch)
+
+    def _micro_batches(self, samples: Sequence[Sample]) -> list[_Batch]:
+        """This DP rank's samples in micro-batches of at most `micro_batch_tokens` padded tokens."""
+        lengths = [len(s.token_ids) for s in samples]
+        groups: list[list[int]] = []
+        longest = 0
+        for i in self._dp_share(lengths):
+            wider = max(longest, lengths[i])
+            if groups and (len(groups[-1]) + 1) * wider <= self.micro_batch_tokens:
+                groups[-1].append(i)
+                longest = wider
+            else:
+                groups.append([i])
+                longest = lengths[i]
+        if not groups:
+            placeholder = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            return [_Batch([], [], placeholder, placeholder)]
+        batches = []
+        for idx in groups:
+            width = max(lengths[i] for i in idx)
+            ids = _padded([samples[i].token_ids for i in idx], width, torch.long, self.device)
+            positions = torch.arange(width, device=self.device).expand(len(idx), width)
+            batches.append(_Batch(idx, [lengths[i] for i in idx], ids, positions))
+        return batches
+
+    def _dp_share(self, lengths: Sequence[int]) -> list[int]:
+        """Indices this DP rank trains on: longest first to the least-loaded rank, then in step order."""
+        loads = [0] * self.dp
+        owner = {}
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            rank = min(range(self.dp), key=loads.__getitem__)
+            owner[i] = rank
+            loads[rank] += lengths[i]
+        me = mpu.get_data_parallel_rank()
+        return [i for i in range(len(lengths)) if owner[i] == me]
+
+    def _collect(self, batch: _Batch, logits: torch.Tensor, non_loss_data: bool = True, *, temperature: float,
+                 with_entropy: bool) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """forward-only reduction: each sample's unpadded logprobs (+ entropy) as CPU fp32."""
+        logprobs, entropy = token_logprobs(logits, batch.input_ids, temperature, with_entropy)
+        return [
+            (i, logprobs[row, :n].float().cpu(), None if entropy is None else entropy[row, :n].float().cpu())
+            for row, (i, n) in enumerate(zip(batch.indices, batch.lengths, strict=True))
+        ]
+
+    def _loss(self, batch: _Batch, logits: torch.Tensor, *, samples: Sequence[Sample], loss_fn: LossFn,
+              temperature: float, totals: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Training reduction: `loss_fn` on the contract's MicroBatch, returned unscaled (token count 0)."""
+        logprobs, entropy = token_logprobs(logits, batch.input_ids, temperature, with_entropy=True)
+        unscaled = torch.zeros((), dtype=torch.int, device=self.device)
+        if batch.empty:
+            return logprobs.sum() * 0.0, unscaled, {"loss": 0.0}
+        loss, metrics = loss_fn(self._micro_batch(batch, samples, logprobs, entropy, totals))
+        return loss, unscaled, {**{k: float(v) for k, v in metrics.items()}, "loss": float(loss.detach())}
+
+    def _micro_batch(self, batch: _Batch, samples: Sequence[Sample], logprobs: torch.Tensor,
+                     entropy: torch.Tensor | None, totals: tuple[int, int]) -> MicroBatch:
+        """The contract's MicroBatch: right-padded [B, T] fields, 0 at padding (as the torch backend), step totals."""
+        rows = [samples[i] for i in batch.indices]
+        width = logprobs.size(1)
+        padding = torch.arange(width, device=self.device) >= torch.tensor(batch.lengths, device=self.device)[:, None]
+
+        def field(get: Callable[[Sample], Sequence[float]]) -> torch.Tensor:
+            return _padded([get(s) for s in rows], width, torch.float32, self.device)
+
+        def optional(name: str) -> torch.Tensor | None:  # `_check` made it all-or-none over the step
+            return None if getattr(rows[0], name) is None else field(lambda s: getattr(s, name))
+
+        return MicroBatch(
+            logprobs=logprobs.masked_fill(padding, 0.0),
+            entropy=None if entropy is None else entropy.masked_fill(padding, 0.0),
+            mask=field(lambda s: s.loss_mask),
+            advantages=field(lambda s: [s.advantage] * len(s.token_ids)),
+            rollout_logprobs=field(lambda s: s.rollout_logprobs),
+            old_logprobs=optional("old_logprobs"),
+            ref_logprobs=optional("ref_logprobs"),
+            teacher_logprobs=optional("teacher_logprobs"),
+            step_tokens=totals[0],
+            step_sequences=totals[1],
+        )
+
+    # --- checkpoint helpers -----------------------------------------------------------------
+    def _layout(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch Adams inside megatron's (possibly chained) optimizer, each over this rank's shard."""
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    @staticmethod
+    def _mp_tag() -> str:
+        return f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])

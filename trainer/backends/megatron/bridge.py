@@ -1,0 +1,160 @@
+"""HF ↔ Megatron weights through mbridge, on megatron-core's local (no Transformer Engine) layer spec.
+
+mbridge (0.15.1) already knows the Qwen2/Qwen3 layouts (fused QKV per query
+group, fc1 = [gate; up], TP splits), so no converter is written by hand here.
+Its stock bridges, however, assume Transformer Engine, CUDA and transformers 4;
+the subclasses below carry the six fixes they need (measured, see
+PLATFORM.md), each marked `fix N` where it is made:
+
+1. the layer spec: TE's spec is always requested → the local spec
+   (`use_transformer_engine=False`, torch RMSNorm), which runs anywhere;
+2. `rope_theta` moved to `config.rope_parameters["rope_theta"]` in transformers 5;
+3. names: the local spec has separate `input_layernorm` / `pre_mlp_layernorm`
+   modules where TE fuses them into the linears → two extra name mappings;
+4. sequence parallelism (switched on for TP > 1) needs apex's norm, which the
+   local spec lacks → off; so are the kernel fusions that need TE/apex;
+5. model construction calls `.cuda()` and builds the causal mask on CUDA → the
+   caller runs bridge calls under `compat.cuda_on_cpu()` (the backend does);
+6. upstream bug: a tied-embedding bridge rewrites the class-wide
+   `_DIRECT_MAPPING`, so a later untied model in the same process would map
+   `output_layer` to the embeddings → every instance gets its own copies.
+
+Importing this module registers the subclasses under the HF model types
+`qwen3` and `qwen2` in mbridge's registry, so `AutoBridge.from_config` picks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from mbridge.core import AutoBridge, Bridge, register_model
+from mbridge.core.safetensor_io import SafeTensorIO
+from mbridge.models.qwen2 import Qwen2Bridge
+from mbridge.models.qwen3 import Qwen3Bridge
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from transformers import PretrainedConfig
+
+from relax_gym.trainer.backends.megatron import compat
+
+WeightSource = Path | Mapping[str, torch.Tensor]
+
+#: fix 4: settings of the local spec, no sequence parallelism and none of the fusions that need
+#: TE / apex kernels, on every device (`_build_base_config` adds CPU initialisation where there is no GPU)
+_LOCAL_SPEC_CONFIG: dict[str, Any] = {
+    "sequence_parallel": False,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+}
+
+
+class _StateDictIO:
+    """mbridge's weight reader (`SafeTensorIO`'s loading half) over an in-memory HF state dict."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.state_dict = state_dict
+
+    def load_some_hf_weight(self, hf_weight_names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {name: self.state_dict[name] for name in hf_weight_names}
+
+    def load_one_hf_weight(self, hf_weight_name: str) -> torch.Tensor:
+        return self.state_dict[hf_weight_name]
+
+
+class _LocalSpecFixes(Bridge):
+    """The fixes shared by the Qwen2 and Qwen3 bridges (mixed in before mbridge's class)."""
+
+    def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32, **kwargs: Any):
+        # fix 6: per-instance mapping tables (mbridge's tied-embedding hook mutates them in place)
+        self._DIRECT_MAPPING = dict(self._DIRECT_MAPPING)
+        self._ATTENTION_MAPPING = dict(self._ATTENTION_MAPPING)
+        # fix 3: the local spec's norms are modules of their own
+        self._MLP_MAPPING = {
+            **self._MLP_MAPPING,
+            "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+        }
+        self._OTHER_MAPPING = {
+            **self._OTHER_MAPPING,
+            "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+        }
+        super().__init__(hf_config, dtype=dtype, **kwargs)
+
+    def _build_base_config(self, text_config_key: str | None = None, **kwargs: Any) -> Any:
+        """fix 4 (and CPU initialisation): the local spec's settings, under the caller's overrides."""
+        local = {**_LOCAL_SPEC_CONFIG, "use_cpu_initialization": compat.needed()}
+        return super()._build_base_config(text_config_key, **{**local, **kwargs})
+
+    def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> ModuleSpec:
+        """fix 1: megatron-core's own modules instead of Transformer Engine's."""
+        self.has_vp_stage = True  # read by mbridge's model provider; megatron-core ≥ 0.13 takes vp_stage
+        return get_gpt_decoder_block_spec(
+            self.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+        )
+
+    def _get_gptmodel_args(self) -> dict[str, Any]:
+        """fix 2: transformers 5 keeps the RoPE base in `rope_parameters`; only plain RoPE maps."""
+        rope = getattr(self.hf_config, "rope_parameters", None) or {
+            "rope_type": "default", "rope_theta": self.hf_config.rope_theta,
+        }
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"RoPE scaling {rope['rope_type']!r} has no mapping to megatron-core here")
+        return {
+            "vocab_size": self.hf_config.vocab_size,
+            "max_sequence_length": self.hf_config.max_position_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_base": rope["rope_theta"],
+        }
+
+    def _get_actual_hf_path(self, weight_path: str | Path) -> str:
+        """A local folder as it is: nothing is resolved against a hub."""
+        return str(weight_path)
+
+    def _get_safetensor_io(self, weights: WeightSource) -> SafeTensorIO | _StateDictIO:
+        """Weights from a checkpoint folder or, without a round trip through disk, an HF state dict."""
+        if isinstance(weights, Mapping):
+            return _StateDictIO(weights)
+        return SafeTensorIO(str(weights))
+
+
+@register_model("qwen3")
+class Qwen3LocalBridge(_LocalSpecFixes, Qwen3Bridge):
+    """Qwen3 (per-head q/k RMSNorm, no QKV bias) on the local spec."""
+
+    def _build_config(self) -> Any:
+        if getattr(self.hf_config, "attention_bias", False):
+            raise NotImplementedError("Qwen3 with attention_bias=True (o_proj bias too) is not mapped")
+        return super()._build_config()
+
+
+@register_model("qwen2")
+class Qwen2LocalBridge(_LocalSpecFixes, Qwen2Bridge):
+    """Qwen2 / Qwen2.5 (QKV bias, no q/k norm) on the local spec."""
+
+
+def make_bridge(hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> Bridge:
+    """The registered bridge for this HF config; the parallel layout is read from megatron's state."""
+    if hf_config.model_type not in ("qwen3", "qwen2"):
+        raise NotImplementedError(
+            f"model type {hf_config.model_type!r}: the Megatron backend maps qwen3 and qwen2 text models"
+        )
+    return AutoBridge.from_config(hf_config, dtype=dtype)
+
+
+def export_hf(bridge: Bridge, models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered, PP-broadcast) CPU copies under HF names; collective over all ranks.
+
+    A tied model also gets `lm_head.weight` (the embedding tensor), as HF's own
+    `state_dict()` has it, so `load_state_dict(strict=True)` accepts the result.
+    """
+    with torch.no_grad():  # mbridge broadcasts the parameters themselves in place; keep that out of autograd
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in bridge.export_weights(models)}
+    if getattr(bridge.hf_config, "tie_word_embeddings", False):
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
