@@ -152,6 +152,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"[red]{err}[/red]", highlight=False)
         return 2
     summary = train(cfg)
+    if "rank" in summary:  # a follower rank under torchrun: rank 0 reports
+        return 0
     console.print(
         f"run folder {summary['run_dir']}: {summary['steps']} steps, reward {summary['reward_first_tenth']:.3f}"
         f" (first tenth) -> {summary['reward_last_tenth']:.3f} (last tenth); plot {summary['plot']}",

@@ -27,6 +27,7 @@ from relax_gym.trainer.backends.base import Sample, TrainBackend
 from relax_gym.trainer.checkpoint import CheckpointManager
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trainer.databus import DataBus, Group
+from relax_gym.trainer.distributed import DrivingBackend, follow, world
 from relax_gym.trainer.run_log import RunLog
 
 EVAL_SEED_OFFSET = 1_000_000_000  # held-out tasks never share a seed with training tasks
@@ -81,6 +82,8 @@ class Trainer:
         self.loaded = load_model(cfg.model)
         self.engine = make_engine(cfg, self.loaded)
         self.backend = make_backend(cfg, self.loaded)
+        if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
+            self.backend = DrivingBackend(self.backend)
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
@@ -139,6 +142,8 @@ class Trainer:
             self.log.close(plot=True)
             await self.manager.close()
             await self.engine.close()
+            if isinstance(self.backend, DrivingBackend):
+                self.backend.stop()
         summary = self.log.summary()
         summary["interrupted"] = interrupted
         return summary
@@ -309,4 +314,12 @@ def _yaml(cfg: TrainConfig) -> str:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    return asyncio.run(Trainer(cfg).run())
+    """Runs a training job; under torchrun, rank 0 trains and the other ranks follow its backend calls."""
+    rank, size = world()
+    if size > 1 and cfg.trainer.backend != "megatron":
+        raise ValueError("only trainer.backend=megatron runs under torchrun; the torch backend is one process")
+    if rank == 0:
+        return asyncio.run(Trainer(cfg).run())
+    backend = make_backend(cfg, load_model(cfg.model))
+    calls = follow(backend, make_loss_fn(cfg.algorithm.to_algorithm_config()))
+    return {"rank": rank, "backend_calls": calls, "version": backend.version}

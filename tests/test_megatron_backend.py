@@ -1,0 +1,205 @@
+"""Megatron backend against plain PyTorch on the tiny models: TP=1 in-process, TP=2 / DP=2 / PP=2 under torchrun.
+
+The checks themselves live in `megatron_scripts.common.run_checks`, so the
+in-process run and the `torch.distributed.run` runs measure the same things;
+here they are asserted. Skipped where the `megatron` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra", exc_type=ImportError)
+pytest.importorskip("mbridge", reason="needs the megatron extra", exc_type=ImportError)
+
+from megatron_scripts.common import (
+    GRAD_CLIP,
+    LR,
+    MICRO_BATCH_TOKENS,
+    TEMPERATURE,
+    WEIGHT_DECAY,
+    hf_token_logprobs,
+    loss_fn,
+    make_samples,
+    run_checks,
+)
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from relax_gym.models import load_model, save_model
+from relax_gym.trainer.backends.base import TrainBackend
+from relax_gym.trainer.backends.megatron import MegatronBackend
+
+pytestmark = [
+    # megatron-core's own notices on a machine without TE / apex / CUDA, and its internal deprecations
+    pytest.mark.filterwarnings("ignore:.*(Apex|Transformer Engine).*not installed"),
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
+    pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:full scope is deprecated"),
+]
+
+LOGPROB_TOL = 1e-4  # fp32; measured ≤ 2.4e-6
+LOSS_TOL = 1e-5  # measured ≤ 2e-7
+#: weights with a non-negligible gradient (see common.ACTIVE_GRAD); measured ≤ 1.8e-6
+ACTIVE_WEIGHT_TOL = 1e-5
+#: any weight: Adam's first step moves each by ≤ lr, and where |g| ~ eps by an amount sensitive to rounding
+#: in g; measured ≤ 1.3e-4 = 0.013 lr
+ANY_WEIGHT_TOL = 0.1 * LR
+#: torchrun layouts (name → script arguments); each is one 2-process run, ~20 s on 2 CPU cores
+LAYOUTS = {"tp2": ["--tp", "2"], "dp2": [], "pp2": ["--pp", "2"]}
+RUN_TIMEOUT_S = 300
+
+
+def _backend(hf_model: Any, **kwargs: Any) -> MegatronBackend:
+    return MegatronBackend(hf_model, lr=LR, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP,
+                           micro_batch_tokens=MICRO_BATCH_TOKENS, seed=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tp1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    hf_model = load_model("tiny").model.eval()
+    return run_checks(lambda: _backend(hf_model), hf_model, tmp_path_factory.mktemp("tp1"))
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """All torchrun layouts, launched together (they overlap where there are cores to spare)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    procs = {}
+    for name, args in LAYOUTS.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "megatron_scripts.parallel_check", *args,
+               "--out", str(root / f"{name}.json"), "--workdir", str(root / name)]
+        procs[name] = subprocess.Popen(cmd, cwd=Path(__file__).parent, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    results, failures = {}, []
+    for name, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            failures.append(f"{name}: timed out after {RUN_TIMEOUT_S} s\n{output[-3000:]}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"{name}: exit {proc.returncode}\n{output[-3000:]}")
+            continue
+        results[name] = json.loads((root / f"{name}.json").read_text())
+    if failures:
+        pytest.fail("\n\n".join(failures))
+    return results
+
+
+def _assert_logprobs_equal_hf(backend: MegatronBackend, hf_model: Any) -> None:
+    samples = make_samples()
+    got = backend.logprobs(samples, temperature=TEMPERATURE)
+    with torch.no_grad():
+        for s, out in zip(samples, got, strict=True):
+            expected = hf_token_logprobs(hf_model, s.token_ids, TEMPERATURE)[0]
+            assert (out.logprobs - expected).abs().max() <= LOGPROB_TOL
+
+
+def _assert_matches_reference(r: dict[str, Any]) -> None:
+    assert r["logprob_diff"] <= LOGPROB_TOL
+    assert r["entropy_diff"] <= LOGPROB_TOL
+    assert r["one_sample_logprob_diff"] <= LOGPROB_TOL
+    assert abs(r["metrics"]["loss"] - r["ref_loss"]) <= LOSS_TOL
+    assert r["exported_keys_match"]
+    assert r["weight_diff_active"] <= ACTIVE_WEIGHT_TOL
+    assert r["weight_diff_all"] <= ANY_WEIGHT_TOL
+    assert r["export_logprob_diff"] <= LOGPROB_TOL
+    assert r["resumed_extra"] == {"next_task": 7} and r["resumed_version"] == 1
+    assert r["resumed_next_loss"] == r["next_loss"]
+
+
+# --- TP=1, in-process -----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_logprobs_equal_hf(tp1: dict[str, Any]) -> None:
+    assert tp1["logprob_diff"] <= LOGPROB_TOL
+    assert tp1["entropy_diff"] <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_train_step_matches_torch_reference(tp1: dict[str, Any]) -> None:
+    m = tp1["metrics"]
+    assert abs(m["loss"] - tp1["ref_loss"]) <= LOSS_TOL
+    assert m["tokens"] == m["masked_tokens"] == sum(sum(s.loss_mask) for s in make_samples())
+    assert m["sequences"] == 6 and m["micro_batches"] > 1 and m["skipped"] == 0 and m["lr"] == LR
+    assert tp1["weight_diff_active"] <= ACTIVE_WEIGHT_TOL
+    assert tp1["weight_diff_all"] <= ANY_WEIGHT_TOL
+
+
+@pytest.mark.slow
+def test_export_loads_into_hf_and_gives_the_same_logprobs(tp1: dict[str, Any]) -> None:
+    assert tp1["exported_keys_match"]
+    assert tp1["export_logprob_diff"] <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_gives_the_same_next_step(tp1: dict[str, Any]) -> None:
+    assert tp1["resumed_extra"] == {"next_task": 7}
+    assert tp1["resumed_version"] == 1
+    assert tp1["resumed_next_loss"] == tp1["next_loss"]
+
+
+@pytest.mark.slow
+def test_qwen2_logprobs_equal_hf(tp1: dict[str, Any]) -> None:
+    """Qwen2 goes through the same fixed bridge (QKV bias, no q/k norm)."""
+    config = Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf_model = Qwen2ForCausalLM(config).eval()
+        for layer in hf_model.model.layers:  # HF initialises biases at 0; random ones test their layout
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    _assert_logprobs_equal_hf(_backend(hf_model), hf_model)
+
+
+@pytest.mark.slow
+def test_loads_from_hf_folder(tmp_path: Path) -> None:
+    """A checkpoint folder is read through mbridge's safetensors reader (only TP rank 0 reads)."""
+    loaded = load_model("tiny")
+    save_model(loaded, tmp_path / "hf")
+    _assert_logprobs_equal_hf(_backend(str(tmp_path / "hf")), loaded.model)
+
+
+def test_protocol_and_bad_input() -> None:
+    backend = _backend(load_model("tiny").model)
+    assert isinstance(backend, TrainBackend)
+    with pytest.raises(ValueError, match="no samples"):
+        backend.train_step([], loss_fn)
+    bad = make_samples()[:1]
+    bad[0].loss_mask = bad[0].loss_mask[:-1]
+    with pytest.raises(ValueError, match="per-token fields"):
+        backend.logprobs(bad)
+    with pytest.raises(ValueError, match="world size 1"):
+        _backend(load_model("tiny").model, tp=2)
+
+
+# --- TP=2, DP=2, PP=2 under torch.distributed.run ----------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layout_matches_reference(parallel: dict[str, dict[str, Any]], layout: str) -> None:
+    _assert_matches_reference(parallel[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_step_loss_equals_tp1(parallel: dict[str, dict[str, Any]], tp1: dict[str, Any],
+                                       layout: str) -> None:
+    assert abs(parallel[layout]["metrics"]["loss"] - tp1["metrics"]["loss"]) <= LOSS_TOL
+    assert abs(parallel[layout]["next_loss"] - tp1["next_loss"]) <= LOSS_TOL
+    assert abs(parallel[layout]["one_sample_step_loss"] - tp1["one_sample_step_loss"]) <= LOSS_TOL
