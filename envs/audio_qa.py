@@ -23,9 +23,8 @@ from relax_gym.core import Env, StepResult
 from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
 from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 from relax_gym.messages import Message, Part, audio, message, text
-from relax_gym.rewards import multiple_choice_reward
-from relax_gym.spaces import MessageSpace
-from relax_gym.tool_env import EpisodeOverError
+from relax_gym.rewards import RewardResult, multiple_choice_reward
+from relax_gym.single_turn import SingleTurnEnv
 
 LETTERS = string.ascii_uppercase
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -77,7 +76,7 @@ class ClipCache:
         return len(self._items)
 
 
-class AudioQAEnv(Env[list[Message]]):
+class AudioQAEnv(SingleTurnEnv):
     """Listen to the clip(s), pick the lettered option; reward 1 for the right letter in <answer></answer>."""
 
     metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text", "audio")}
@@ -92,7 +91,7 @@ class AudioQAEnv(Env[list[Message]]):
     ):
         if target_sampling_rate is not None and not valid_rate(target_sampling_rate):
             raise ValueError(f"target_sampling_rate must be a positive int or None: {target_sampling_rate!r}")
-        self.observation_space = MessageSpace(modalities=("text", "audio"))
+        super().__init__()
         self.system_prompt = system_prompt
         self.target_sampling_rate = target_sampling_rate
         self.data_file = _data_file(data_path, split)
@@ -102,40 +101,37 @@ class AudioQAEnv(Env[list[Message]]):
         if not self.tasks:
             raise DatasetError(f"{self.data_file}: the dataset is empty")
         self.cache = ClipCache(int(cache_mb * 2**20))
-        self._index: int | None = None
-        self._done = True
 
     # --- episode ------------------------------------------------------------------
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        index = (options or {}).get("index")
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> int:
+        """A record index: `options["index"]` when given, else a seeded draw."""
+        index = options.get("index")
         if index is None:
-            index = int(self.np_random.integers(len(self.tasks)))
-        elif not isinstance(index, int | np.integer) or not 0 <= index < len(self.tasks):
+            return int(rng.integers(len(self.tasks)))
+        if not isinstance(index, int | np.integer) or not 0 <= index < len(self.tasks):
             raise ValueError(f"options['index'] must be an int in [0, {len(self.tasks)}), got {index!r}")
-        observation = self.prompt_messages(int(index))  # decoding first: a bad clip starts no episode
-        self._index, self._done = int(index), False
-        task = self.tasks[self._index]
-        info = {"id": task.id, "task": task.task, "index": self._index, "num_clips": len(task.clips)}
-        return observation, info
+        return int(index)
+
+    def grade(self, task: int, answer: str) -> RewardResult:
+        record = self.tasks[task]
+        return multiple_choice_reward(answer, record.answer, choices=record.choices)
+
+    def task_info(self, task: int) -> dict[str, Any]:
+        record = self.tasks[task]
+        return {"id": record.id, "task": record.task, "index": task, "num_clips": len(record.clips)}
 
     def step(self, action: str) -> StepResult:
-        if self._index is None or self._done:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
-        self._done = True
-        task = self.tasks[self._index]
-        result = multiple_choice_reward(action, task.answer, choices=task.choices)
-        info = {"id": task.id, "task": task.task, "answer": task.answer, "reward": result.to_info()}
-        return [], float(result.score), True, False, info
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, reward, terminated, truncated, {**info, "answer": self.tasks[self.task].answer}
 
     def get_state(self) -> dict[str, Any]:
-        return {"index": self._index, "done": self._done}
+        return {"index": self.task, "done": self.done}
 
     def set_state(self, state: dict[str, Any]) -> None:
         index = state["index"]
         if index is not None and not 0 <= index < len(self.tasks):
             raise ValueError(f"state index {index} is outside this dataset's {len(self.tasks)} records")
-        self._index, self._done = index, bool(state["done"])
+        self.task, self.done = index, bool(state["done"])
 
     # --- prompt -------------------------------------------------------------------
     def prompt_messages(self, index: int) -> list[Message]:

@@ -15,13 +15,13 @@ from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 
-from relax_gym.core import Env, StepResult
+from relax_gym.core import Env
 from relax_gym.envs.datasets import DatasetError, load_records, pick, shipped_path
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
 from relax_gym.sandbox import Sandbox, SandboxConfig
-from relax_gym.spaces import MessageSpace
-from relax_gym.tool_env import EpisodeOverError, ToolEnv
+from relax_gym.single_turn import SingleTurnEnv
+from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import tool
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -131,7 +131,7 @@ def _task_index(options: dict[str, Any] | None, n_tasks: int) -> int | None:
     return index
 
 
-class MathEnv(Env[list[Message]]):
+class MathEnv(SingleTurnEnv):
     """Single-turn math: answer in \\boxed{}, graded by math-verify equivalence.
 
     `split` picks the shipped file and is ignored when `data_path` names the
@@ -152,23 +152,22 @@ class MathEnv(Env[list[Message]]):
         self.answer_format = _check_answer_format(answer_format)
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
-        self.observation_space = MessageSpace(modalities=self.metadata["modalities"])
-        self.task: MathTask | None = None
+        super().__init__()
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> MathTask:
         index = _task_index(options, len(self.tasks))
         if index is None:
-            index, _ = pick(self.tasks, self.np_random)
-        self.task = self.tasks[index]
-        return self.task.messages(self.system_prompt), {"task_index": index}
+            index, _ = pick(self.tasks, rng)
+        return self.tasks[index]
 
-    def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
-        task, self.task = self.task, None
-        result = math_reward(action, task.answer, answer_format=self.answer_format, timeout_s=self.timeout_s)
-        return [], result.score, True, False, {"task_index": task.index, "reward": result.to_info()}
+    def prompt_messages(self, task: MathTask) -> list[Message]:
+        return task.messages(self.system_prompt)
+
+    def grade(self, task: MathTask, answer: str) -> RewardResult:
+        return math_reward(answer, task.answer, answer_format=self.answer_format, timeout_s=self.timeout_s)
+
+    def task_info(self, task: MathTask) -> dict[str, Any]:
+        return {"task_index": task.index}
 
 
 class MathToolEnv(ToolEnv):

@@ -17,11 +17,11 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from relax_gym.core import Env, StepResult
+from relax_gym.core import Env, EpisodeOverError, StepResult
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_boxed, extract_tag
+from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.spaces import MessageSpace
-from relax_gym.tool_env import EpisodeOverError
 
 _INTEGER = re.compile(r"(?<!\w)-?\d+")
 MAX_INT_DIGITS = 30  # longer "integers" are junk; int() of a huge string is slow and capped by Python
@@ -65,36 +65,7 @@ def evaluate_expression(source: str) -> tuple[Fraction, list[int]]:
         raise ValueError(f"not an arithmetic expression ({type(err).__name__})") from err
 
 
-class _SingleTurnEnv(Env[list[Message]]):
-    """One question, one graded answer; subclasses draw the task and grade it."""
-
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
-
-    def __init__(self) -> None:
-        self.observation_space = MessageSpace(modalities=self.metadata["modalities"])
-        self.task: dict[str, Any] | None = None
-
-    def new_task(self, rng: np.random.Generator) -> dict[str, Any]:
-        """A task dict with a `prompt` string; drawn from `rng` only."""
-        raise NotImplementedError
-
-    def grade(self, task: dict[str, Any], action: str) -> RewardResult:
-        raise NotImplementedError
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        self.task = self.new_task(self.np_random)
-        return [message("user", self.task["prompt"])], {}
-
-    def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
-        task, self.task = self.task, None
-        result = self.grade(task, action)
-        return [], result.score, True, False, {"reward": result.to_info()}
-
-
-class ArithmeticEnv(_SingleTurnEnv):
+class ArithmeticEnv(SingleTurnEnv):
     """Integer arithmetic like `7 + 3 * 5`; reward 1 for the exact integer."""
 
     def __init__(
@@ -109,7 +80,7 @@ class ArithmeticEnv(_SingleTurnEnv):
             raise ValueError(f"answer_format must be 'plain' or 'boxed', got {answer_format!r}")
         self.digits, self.n_terms, self.ops, self.answer_format = digits, n_terms, ops, answer_format
 
-    def new_task(self, rng: np.random.Generator) -> dict[str, Any]:
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
         terms = [str(int(n)) for n in rng.integers(low, 10**self.digits, size=self.n_terms)]
         ops = [str(rng.choice(list(self.ops))) for _ in range(self.n_terms - 1)]
@@ -132,12 +103,11 @@ class ArithmeticEnv(_SingleTurnEnv):
         score = float(guess == task["answer"])
         return RewardResult(score, detail=None if score else f"expected {task['answer']}", extracted=str(guess))
 
-    def step(self, action: str) -> StepResult:
-        observation, reward, terminated, truncated, info = super().step(action)
-        return observation, reward, terminated, truncated, {"answer_format": self.answer_format, **info}
+    def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
+        return {"answer_format": self.answer_format}
 
 
-class CountdownEnv(_SingleTurnEnv):
+class CountdownEnv(SingleTurnEnv):
     """Countdown: reach the target with + - * / using each given number at most once."""
 
     def __init__(self, n_numbers: int = 3, max_number: int = 10, max_target: int = 100, format_score: float = 0.1):
@@ -151,7 +121,7 @@ class CountdownEnv(_SingleTurnEnv):
         self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target
         self.format_score = format_score
 
-    def new_task(self, rng: np.random.Generator) -> dict[str, Any]:
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         """Folds the numbers in a random order with random ops, so the target always has a solution."""
         numbers = [int(n) for n in rng.integers(1, self.max_number + 1, size=self.n_numbers)]
         order = [numbers[i] for i in rng.permutation(self.n_numbers)]

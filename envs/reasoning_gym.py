@@ -14,11 +14,12 @@ import math
 from types import ModuleType
 from typing import Any, ClassVar
 
-from relax_gym.core import Env, StepResult
+import numpy as np
+
+from relax_gym.core import Env
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_tag
-from relax_gym.spaces import MessageSpace
-from relax_gym.tool_env import EpisodeOverError
+from relax_gym.single_turn import SingleTurnEnv
 
 INSTALL_HINT = "pip install 'relax-gym[reasoning-gym]'"
 
@@ -48,7 +49,7 @@ def create_dataset(rg: ModuleType, name: str, size: int, seed: int, config: dict
         ) from err
 
 
-class ReasoningGymEnv(Env[list[Message]]):
+class ReasoningGymEnv(SingleTurnEnv):
     """A reasoning-gym dataset by name; answer in <answer></answer>, scored by reasoning-gym.
 
     Extra kwargs go to the dataset's config class (e.g. `min_animals=2`).
@@ -70,23 +71,22 @@ class ReasoningGymEnv(Env[list[Message]]):
         self.dataset_name = dataset
         self.dataset = create_dataset(rg, dataset, size, dataset_seed, config)
         self.system_prompt = rg.utils.SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
-        self.observation_space = MessageSpace(modalities=self.metadata["modalities"])
-        self.entry: dict[str, Any] | None = None
-        self.index = -1
+        super().__init__()
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        self.index = int(self.np_random.integers(len(self.dataset)))
-        self.entry = self.dataset[self.index]
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
+        index = int(rng.integers(len(self.dataset)))
+        return {"index": index, "entry": self.dataset[index]}
+
+    def prompt_messages(self, task: dict[str, Any]) -> list[Message]:
         system = [message("system", self.system_prompt)] if self.system_prompt else []
-        return [*system, message("user", self.entry["question"])], self._info()
+        return [*system, message("user", task["entry"]["question"])]
 
-    def step(self, action: str) -> StepResult:
-        if self.entry is None:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
-        entry, self.entry = self.entry, None
-        result = self.score(action, entry)
-        return [], result.score, True, False, self._info(entry, reward=result.to_info())
+    def grade(self, task: dict[str, Any], answer: str) -> RewardResult:
+        return self.score(answer, task["entry"])
+
+    def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
+        source = (task["entry"].get("metadata") or {}).get("source_dataset", self.dataset_name)
+        return {"dataset": self.dataset_name, "source_dataset": str(source), "index": task["index"]}
 
     def score(self, action: str, entry: dict[str, Any]) -> RewardResult:
         """The last <answer> block (else the whole reply), graded by the dataset; a grader crash is an error."""
@@ -100,7 +100,3 @@ class ReasoningGymEnv(Env[list[Message]]):
             return RewardResult(0.0, "error", f"score_answer returned {score}", answer[:200])
         detail = None if tagged is not None else "no <answer> tag; graded the whole reply"
         return RewardResult(score, detail=detail, extracted=answer[:200])
-
-    def _info(self, entry: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-        source = ((entry or self.entry or {}).get("metadata") or {}).get("source_dataset", self.dataset_name)
-        return {"dataset": self.dataset_name, "source_dataset": str(source), "index": self.index, **extra}

@@ -4,8 +4,9 @@
 relax_gym's and gymnasium's registries.
 """
 
-from relax_gym.core import Env
+from relax_gym.core import Env, EpisodeOverError
 from relax_gym.registration import UnknownEnvError, describe, list_envs, make, register, registry, spec
+from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import Tool, tool
 
@@ -13,6 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Env",
+    "EpisodeOverError",
+    "SingleTurnEnv",
     "Tool",
     "ToolEnv",
     "UnknownEnvError",

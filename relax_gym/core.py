@@ -22,6 +22,10 @@ ObsT = TypeVar("ObsT")
 StepResult = tuple[Any, float, bool, bool, dict[str, Any]]
 
 
+class EpisodeOverError(RuntimeError):
+    """`step` was called before `reset` or after the episode ended."""
+
+
 class Env(gym.Env[ObsT, str], Generic[ObsT]):
     """A multi-turn chat environment.
 

@@ -13,15 +13,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from relax_gym.core import Env, StepResult
+from relax_gym.core import Env, EpisodeOverError, StepResult
 from relax_gym.messages import Message, Part, message, text
 from relax_gym.rewards import RewardResult
 from relax_gym.spaces import MessageSpace
 from relax_gym.tools import TOOL_MARK, ToolSet, parse_tool_calls
-
-
-class EpisodeOverError(RuntimeError):
-    """`step` was called before `reset` or after the episode ended."""
 
 
 class ToolEnv(Env[list[Message]]):

@@ -12,10 +12,10 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import relax_gym
+from relax_gym.core import EpisodeOverError
 from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 from relax_gym.envs.math import MathEnv, load_math_tasks
 from relax_gym.rewards import math_reward
-from relax_gym.tool_env import EpisodeOverError
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = ["relax/Math-v0", "relax/MathTool-v0"]

@@ -9,8 +9,8 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import relax_gym
+from relax_gym.core import EpisodeOverError
 from relax_gym.envs.procedural import evaluate_expression, last_integer
-from relax_gym.tool_env import EpisodeOverError
 
 MALFORMED = ["", "garbage %$#@!", "<answer>", "<answer></answer>", "<answer>" + "(" * 500 + "</answer>",
              "\\boxed{", "9" * 200_000, "-" * 100_000]  # fmt: skip

@@ -58,7 +58,7 @@ def test_prompt_carries_the_answer_tag_instruction(rg):
 def test_correct_answer_scores_one_wrong_scores_zero(rg, dataset):
     env = relax_gym.make(ENV_ID, dataset=dataset, size=20)
     env.reset(seed=1)
-    answer = env.unwrapped.entry["answer"]
+    answer = env.unwrapped.task["entry"]["answer"]
     obs, reward, terminated, truncated, info = env.step(f"Let me think.\n<answer>{answer}</answer>")
     assert (obs, reward, terminated, truncated) == ([], 1.0, True, False)
     assert info["reward"] == {"score": 1.0, "status": "ok", "detail": None, "extracted": answer}
@@ -69,7 +69,7 @@ def test_correct_answer_scores_one_wrong_scores_zero(rg, dataset):
 def test_untagged_reply_is_graded_whole(rg):
     env = relax_gym.make(ENV_ID)
     env.reset(seed=2)
-    _, reward, _, _, info = env.step(f"  {env.unwrapped.entry['answer']}\n")
+    _, reward, _, _, info = env.step(f"  {env.unwrapped.task['entry']['answer']}\n")
     assert reward == 1.0 and "no <answer> tag" in info["reward"]["detail"]
 
 

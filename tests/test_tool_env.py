@@ -3,7 +3,7 @@ import json
 import pytest
 
 from relax_gym import ToolEnv, tool
-from relax_gym.tool_env import EpisodeOverError
+from relax_gym.core import EpisodeOverError
 from relax_gym.tools import ToolError
 
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from PIL import Image
 
+from relax_gym.core import EpisodeOverError
 from relax_gym.envs.datasets import load_records, pick
 from relax_gym.envs.deepeyes.data import IMAGE_PLACEHOLDER, data_file, load_image, task_from_record, validate
 from relax_gym.envs.deepeyes.view import View, full_view, render, rotate, zoom
@@ -42,7 +43,7 @@ from relax_gym.rewards import (
     format_reward,
     multiple_choice_reward,
 )
-from relax_gym.tool_env import EpisodeOverError, ToolEnv
+from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import tool
 
 Judge = Callable[[str, str, str], float | RewardResult]
