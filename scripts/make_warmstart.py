@@ -5,10 +5,10 @@ weights a tiny model almost never emits a parseable integer, so rewards are
 all zero and nothing can be learned in minutes. This script trains the
 seeded tiny model on `relax/Arithmetic-v0` prompts with their answers, and
 stops once the expected accuracy of *sampling* (the mean probability the model
-gives the whole correct answer) reaches `--target` (default 0.2), leaving RL
+gives the whole correct answer) reaches `--target` (default 0.1), leaving RL
 most of the work. Deterministic: same seed, same checkpoint.
 
-    python scripts/make_warmstart.py [--out examples/checkpoints/tiny-arithmetic] [--target 0.2]
+    python scripts/make_warmstart.py [--out examples/checkpoints/tiny-arithmetic] [--target 0.1]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def answer_logprobs(model, batch: list[tuple[list[int], list[int]]]) -> torch.Te
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="examples/checkpoints/tiny-arithmetic")
-    parser.add_argument("--target", type=float, default=0.2, help="stop at this expected sampled accuracy")
+    parser.add_argument("--target", type=float, default=0.1, help="stop at this expected sampled accuracy")
     parser.add_argument("--max-steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine. Until the trainer lands (issue 4), it is the most complete job
-# that exists: install, list the bundled environments, conformance-check every one of them and the
-# custom-env example, and play a scripted episode of the example.
+# The main job on a fresh machine: install, then train the tiny model on single-digit addition
+# (GRPO, async with max_staleness 1, CPU) for a few minutes. Each run gets a fresh folder under
+# runs/ (an existing folder would resume from its checkpoint); it ends with the reward plot's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh test
+bash scripts/setup_venv.sh
 . .venv/bin/activate
-relax-gym envs
-relax-gym check $(relax-gym envs --json | python -c 'import json,sys; print(" ".join(e["id"] for e in json.load(sys.stdin) if "error" not in e))') examples/custom_env.py
-python examples/custom_env.py
-echo "quickstart: training is not in this version yet; see the README's status section."
+run_dir="runs/quickstart-$(date +%Y%m%d-%H%M%S)"
+relax-gym train examples/configs/quickstart.yaml "run_dir=$run_dir" "$@"
+echo "reward plot: $run_dir/reward.png   metrics: $run_dir/metrics.jsonl   tensorboard --logdir $run_dir"
