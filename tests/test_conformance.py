@@ -10,6 +10,7 @@ from PIL import Image
 from relax_gym import Env
 from relax_gym.cli import main
 from relax_gym.conformance import run_checks
+from relax_gym.envs import BUNDLED
 from relax_gym.messages import image, user
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +106,12 @@ def test_cli_checks_the_custom_env_example(capsys):
     assert main(["check", str(ROOT / "examples/custom_env.py"), "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
     assert report["target"] == "example/Shopping-v0"
+
+
+@pytest.mark.parametrize("env_id", sorted(BUNDLED))
+def test_every_bundled_env_passes_relax_gym_check(capsys, env_id):
+    if env_id == "relax/ReasoningGym-v0":
+        pytest.importorskip("reasoning_gym")
+    assert main(["check", env_id, "--json"]) == 0, capsys.readouterr().out
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["target"] == env_id
