@@ -2,7 +2,9 @@
 
 setuptools' automatic discovery does not follow the `package-dir` mapping
 (`envs/` -> `relax_gym.envs`), and a subpackage missing from `packages` imports
-fine in an editable install but is absent from the wheel.
+fine in an editable install but is absent from the wheel. The shipped data
+folders are declared as data-only packages, which is what setuptools expects
+of folders inside a package (otherwise it warns that they would be ignored).
 """
 
 from pathlib import Path
@@ -23,4 +25,11 @@ def _packages() -> list[str]:
     return found
 
 
-setup(packages=_packages())
+def _data_packages() -> dict[str, list[str]]:
+    data = Path("envs") / "data"
+    folders = [data, *sorted(p for p in data.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    return {".".join(("relax_gym.envs", *f.relative_to("envs").parts)): ["*"] for f in folders}
+
+
+DATA = _data_packages()
+setup(packages=_packages() + list(DATA), package_data=DATA)
