@@ -8,7 +8,6 @@ learn them, which makes these the envs for smoke-testing a training loop.
 from __future__ import annotations
 
 import ast
-import copy
 import operator
 import re
 from collections import Counter, deque
@@ -17,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from relax_gym.core import Env, EpisodeOverError, StepResult
+from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_boxed, extract_tag
 from relax_gym.single_turn import SingleTurnEnv
@@ -163,7 +162,7 @@ class CountdownEnv(SingleTurnEnv):
         return RewardResult(1.0, extracted=equation)
 
 
-class GuessNumberEnv(Env[list[Message]]):
+class GuessNumberEnv(EpisodeState, Env[list[Message]]):
     """Guess a secret integer in [low, high] from higher/lower feedback."""
 
     metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
@@ -217,12 +216,3 @@ class GuessNumberEnv(Env[list[Message]]):
                 f"I could not find an integer in your reply. Reply with one integer from {self.low} to {self.high}.",
             )
         return ("higher", f"Higher than {guess}.") if secret > guess else ("lower", f"Lower than {guess}.")
-
-    def get_state(self) -> dict[str, Any]:
-        return {"episode": copy.deepcopy(self.episode), "rng": copy.deepcopy(self.np_random.bit_generator.state)}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.episode = copy.deepcopy(state["episode"])
-        rng = np.random.default_rng()
-        rng.bit_generator.state = copy.deepcopy(state["rng"])
-        self._np_random = rng

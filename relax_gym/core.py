@@ -13,6 +13,7 @@ import copy
 from typing import Any, ClassVar, Generic, TypeVar
 
 import gymnasium as gym
+import numpy as np
 
 from relax_gym.messages import Message, validate_messages
 from relax_gym.spaces import ActionText, MessageSpace
@@ -80,3 +81,22 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
         """True when the subclass overrides both state methods."""
         cls = type(self)
         return cls.get_state is not Env.get_state and cls.set_state is not Env.set_state
+
+
+class EpisodeState:
+    """Mixin for envs that keep everything about the running episode in `self.episode`.
+
+    A snapshot is that dict plus the env's RNG state, so `set_state` resumes
+    exactly, random draws included.
+    """
+
+    episode: dict[str, Any]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"episode": copy.deepcopy(self.episode), "rng": copy.deepcopy(self.np_random.bit_generator.state)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.episode = copy.deepcopy(state["episode"])
+        rng = np.random.default_rng()
+        rng.bit_generator.state = copy.deepcopy(state["rng"])
+        self._np_random = rng

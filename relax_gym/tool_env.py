@@ -7,20 +7,19 @@ error observations, turn limits and state snapshots live here once.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
-from relax_gym.core import Env, EpisodeOverError, StepResult
+from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
 from relax_gym.messages import Message, Part, message, text
 from relax_gym.rewards import RewardResult
 from relax_gym.spaces import MessageSpace
 from relax_gym.tools import TOOL_MARK, ToolSet, parse_tool_calls
 
 
-class ToolEnv(Env[list[Message]]):
+class ToolEnv(EpisodeState, Env[list[Message]]):
     """Base for tool-using envs. Episode state lives in `self.episode` so snapshots are automatic."""
 
     metadata: ClassVar[dict[str, Any]] = {**Env.metadata}
@@ -100,13 +99,3 @@ class ToolEnv(Env[list[Message]]):
         ep = self.episode
         counts = {k: ep[k] for k in ("turn", "tool_calls", "tool_successes", "tool_errors")}
         return {**counts, **extra}
-
-    # --- resumable episodes -------------------------------------------------------
-    def get_state(self) -> dict[str, Any]:
-        return {"episode": copy.deepcopy(self.episode), "rng": copy.deepcopy(self.np_random.bit_generator.state)}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.episode = copy.deepcopy(state["episode"])
-        rng = np.random.default_rng()
-        rng.bit_generator.state = copy.deepcopy(state["rng"])
-        self._np_random = rng

@@ -13,7 +13,7 @@ This matches `Trajectory.rollout_logprobs` and `loss_mask`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -87,3 +87,26 @@ class TrainBackend(Protocol):
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores what `save_checkpoint` wrote and returns `extra`."""
+
+
+OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
+
+
+def check_samples(samples: Sequence[Sample], temperature: float) -> None:
+    """Rejects what would otherwise fail deep inside a forward (or a collective) or silently misalign."""
+    if not samples:
+        raise ValueError("no samples")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
+        fields |= {f: getattr(s, f) for f in OPTIONAL_PER_TOKEN if getattr(s, f) is not None}
+        if n == 0 or any(len(v) != n for v in fields.values()):
+            lengths = {k: len(v) for k, v in fields.items()}
+            raise ValueError(f"sample {i}: per-token fields {lengths} must match its {n} token_ids (> 0)")
+        if s.loss_mask[0]:
+            raise ValueError(f"sample {i}: token 0 is trained, but it has no context to be predicted from")
+    for f in OPTIONAL_PER_TOKEN:
+        if len({getattr(s, f) is None for s in samples}) > 1:
+            raise ValueError(f"{f} is set on some samples and not others")

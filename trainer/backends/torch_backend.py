@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
-from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample
+from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
 
 #: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
 #: memory beyond the logits themselves, whatever the vocabulary and sequence length.
 CHUNK_ELEMENTS = 2**25
 
 _MODEL_FILE, _OPTIMIZER_FILE, _STATE_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
-_OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -284,26 +283,6 @@ class TorchBackend:
             step_sequences=step_sequences,
         )
 
-    @staticmethod
-    def _check(samples: Sequence[Sample], temperature: float) -> None:
-        """Rejects inputs that would otherwise fail deep in a forward or silently misalign."""
-        if not samples:
-            raise ValueError("no samples")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        for i, s in enumerate(samples):
-            n = len(s.token_ids)
-            fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
-            fields |= {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
-            if n == 0 or any(len(v) != n for v in fields.values()):
-                lengths = {k: len(v) for k, v in fields.items()}
-                raise ValueError(f"sample {i}: per-token fields {lengths} must match its {n} token_ids (> 0)")
-            if s.loss_mask[0]:
-                raise ValueError(f"sample {i}: token 0 is trained, but it has no context to be predicted from")
-        for f in _OPTIONAL_FIELDS:
-            if len({getattr(s, f) is None for s in samples}) > 1:
-                raise ValueError(f"{f} is set on some samples and not others")
-
     # --- TrainBackend -------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -311,7 +290,7 @@ class TorchBackend:
         self, samples: list[Sample], *, temperature: float = 1.0, with_entropy: bool = False
     ) -> list[LogprobOutput]:
         """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
-        self._check(samples, temperature)
+        check_samples(samples, temperature)
         self.model.eval()
         out: list[LogprobOutput] = []
         for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
@@ -329,7 +308,7 @@ class TorchBackend:
         weights; it still counts as a step (`skipped` = 1) so versions stay in
         lockstep with the loop's step count.
         """
-        self._check(samples, temperature)
+        check_samples(samples, temperature)
         step_tokens = sum(sum(s.loss_mask) for s in samples)
         step_sequences = sum(1 for s in samples if any(s.loss_mask))
         self.model.train()

@@ -51,7 +51,7 @@ from megatron.core.utils import get_model_config
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from relax_gym.models import TINY_MODELS, LoadedModel, load_model
-from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample
+from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 
@@ -120,29 +120,12 @@ def _padded(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, dev
     return out.to(device)
 
 
-_OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
-
-
 def _check(samples: Sequence[Sample], temperature: float) -> None:
-    """Rejects what would fail deep inside a collective or silently misalign (the torch backend's rules)."""
-    if not samples:
-        raise ValueError("no samples")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    """The shared sample checks, plus this backend's limit: text models only."""
+    check_samples(samples, temperature)
     for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
-        fields |= {f: getattr(s, f) for f in _OPTIONAL_FIELDS if getattr(s, f) is not None}
-        if n == 0 or any(len(v) != n for v in fields.values()):
-            lengths = {k: len(v) for k, v in fields.items()}
-            raise ValueError(f"sample {i}: per-token fields {lengths} must match its {n} token_ids (> 0)")
-        if s.loss_mask[0]:
-            raise ValueError(f"sample {i}: token 0 is trained, but it has no context to be predicted from")
         if s.mm_inputs:
             raise NotImplementedError(f"sample {i} has multimodal inputs; the Megatron backend trains text models")
-    for f in _OPTIONAL_FIELDS:
-        if len({getattr(s, f) is None for s in samples}) > 1:
-            raise ValueError(f"{f} is set on some samples and not others")
 
 
 def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
