@@ -18,7 +18,7 @@ import time
 
 from relax_gym.engines.base import GenerateOutput, GenerateRequest
 from relax_gym.models import load_model
-from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
 
 TURNS = 4
 LEVELS = (1, 64, 256, 1024)
@@ -74,6 +74,7 @@ async def one_level(loaded, episodes: int, latency_s: float, check_rerender: boo
 
 def measure(latency_s: float = 1.0, check_rerender: bool = True) -> list[dict]:
     loaded = load_model("tiny")
+    settle_heap()  # as `relax-gym rollout` and `relax-gym train` do after loading
     return [asyncio.run(one_level(loaded, n, latency_s, check_rerender)) for n in LEVELS]
 
 

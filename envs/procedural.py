@@ -67,6 +67,8 @@ def evaluate_expression(source: str) -> tuple[Fraction, list[int]]:
 class ArithmeticEnv(SingleTurnEnv):
     """Integer arithmetic like `7 + 3 * 5`; reward 1 for the exact integer."""
 
+    blocking = False  # microseconds of pure Python per step
+
     def __init__(
         self, digits: int = 1, n_terms: int = 2, ops: str = "+-", answer_format: Literal["plain", "boxed"] = "plain"
     ):
@@ -108,6 +110,8 @@ class ArithmeticEnv(SingleTurnEnv):
 
 class CountdownEnv(SingleTurnEnv):
     """Countdown: reach the target with + - * / using each given number at most once."""
+
+    blocking = False  # microseconds of pure Python per step
 
     def __init__(self, n_numbers: int = 3, max_number: int = 10, max_target: int = 100, format_score: float = 0.1):
         super().__init__()
@@ -164,6 +168,8 @@ class CountdownEnv(SingleTurnEnv):
 
 class GuessNumberEnv(EpisodeState, Env[list[Message]]):
     """Guess a secret integer in [low, high] from higher/lower feedback."""
+
+    blocking = False  # microseconds of pure Python per step
 
     metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
 

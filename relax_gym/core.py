@@ -51,6 +51,10 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
     observation_space: gym.spaces.Space = MessageSpace()
     action_space: gym.spaces.Space = ActionText()
 
+    #: False for envs whose reset/step take microseconds (pure Python, no I/O): the default async
+    #: methods then call them on the event loop, since a worker-thread hop costs more than the step
+    blocking: ClassVar[bool] = True
+
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         """Tool schemas offered through the chat template's `tools=` (see relax_gym.tools)."""
@@ -62,11 +66,15 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
         return copy.copy(observation)  # type: ignore[return-value]
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[ObsT, dict]:
-        """Async reset; the default runs `reset` in a worker thread so a slow env never blocks the loop."""
+        """Async reset; by default `reset` runs in a worker thread so a slow env never blocks the loop."""
+        if not self.blocking:
+            return self.reset(seed=seed, options=options)
         return await asyncio.to_thread(self.reset, seed=seed, options=options)
 
     async def astep(self, action: str) -> StepResult:
         """Async step; override for envs that wait on I/O (a judge model, a sandbox)."""
+        if not self.blocking:
+            return self.step(action)
         return await asyncio.to_thread(self.step, action)
 
     def get_state(self) -> dict[str, Any]:

@@ -115,6 +115,8 @@ class Exploding(ArithmeticEnv):
 
 
 class Sleepy(ArithmeticEnv):
+    blocking = True  # it sleeps: it must run off the event loop, unlike the arithmetic it extends
+
     def step(self, action):
         time.sleep(5)
         return super().step(action)

@@ -85,3 +85,28 @@ def test_tools_are_offered_with_schemas():
     assert env.tool_schemas[0]["function"]["parameters"]["properties"]["key"]["type"] == "string"
     with pytest.raises(ValueError):
         Lookup(max_turns=0)
+
+
+def test_blocking_envs_step_in_a_thread_and_fast_ones_on_the_loop():
+    import asyncio
+    import threading
+
+    from relax_gym.envs.procedural import GuessNumberEnv
+
+    class Where(GuessNumberEnv):
+        def step(self, action):
+            self.thread = threading.current_thread()
+            return super().step(action)
+
+    class SlowWhere(Where):
+        blocking = True
+
+    for cls, on_loop in ((Where, True), (SlowWhere, False)):
+        env = cls()
+
+        async def run(env=env):
+            await env.areset(seed=0)
+            await env.astep("5")
+
+        asyncio.run(run())
+        assert (env.thread is threading.main_thread()) == on_loop

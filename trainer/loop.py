@@ -21,7 +21,7 @@ import torch
 
 from relax_gym.engines.base import Engine, SamplingParams
 from relax_gym.models import LoadedModel, load_model
-from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
 from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
 from relax_gym.trainer.backends.base import Sample, TrainBackend
 from relax_gym.trainer.checkpoint import CheckpointManager
@@ -125,6 +125,7 @@ class Trainer:
     async def run(self) -> dict[str, Any]:
         """Trains to `total_steps`; Ctrl-C (or cancellation) finishes the running step, checkpoints and plots."""
         await self._resume()
+        settle_heap()
         interrupted = False
         try:
             if self.cfg.trainer.mode == "sync":

@@ -8,7 +8,7 @@ from typing import Any
 
 from relax_gym.engines.base import Engine, SamplingParams
 from relax_gym.models import load_model
-from relax_gym.rollout.manager import RolloutLimits, RolloutManager
+from relax_gym.rollout.manager import RolloutLimits, RolloutManager, settle_heap
 from relax_gym.rollout.metrics import summarize
 from relax_gym.trajectory import Trajectory
 
@@ -36,6 +36,7 @@ async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: s
         limits=RolloutLimits(max_turns=max_turns, max_total_tokens=max_total_tokens),
         max_concurrency=concurrency,
     )
+    settle_heap()
     done: list[Trajectory] = []
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

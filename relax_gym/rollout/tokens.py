@@ -11,6 +11,7 @@ appended sequence is from a full re-render and the manager reports it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,15 +190,27 @@ class ConversationTokens:
         return _first_difference(self.token_ids, rendered)
 
     def template_diff(self) -> int | None:
-        """First character where the decoded sequence and the decoded full re-render differ, or None.
+        """First character where the decoded sequence and a full re-render's text differ, or None.
 
         Decoded text does not depend on how it was tokenized, so a difference here
-        is the template itself rendering the conversation differently than it was appended.
+        is the template itself rendering the conversation differently than it was
+        appended. The re-render is compared as template text (no tokenizer, no
+        image processing): runs of a media placeholder token, which the processor
+        expands, are collapsed to one on our side.
         """
-        decode = self.loaded.tokenizer.decode
-        rendered, ended_by_policy = self._full_render()
-        ours, full = decode(self.token_ids), decode(rendered)
+        ended_by_policy = self.segments[-1].kind == "policy"
+        full = chat_text(self.loaded, self.messages, tools=self.tools, add_generation_prompt=not ended_by_policy)
+        ours = self.loaded.tokenizer.decode(self.token_ids)
+        for pad in _placeholders(self.loaded):
+            ours = re.sub(f"(?:{re.escape(pad)})+", lambda _m, pad=pad: pad, ours)
         return _first_difference(ours, full[: len(ours)] if ended_by_policy else full)
+
+
+def _placeholders(loaded: LoadedModel) -> list[str]:
+    """The media placeholder tokens the processor repeats once per embedding (e.g. `<|image_pad|>`)."""
+    processor = loaded.processor
+    names = ("image_token", "audio_token", "video_token")
+    return [t for t in (getattr(processor, n, None) for n in names) if isinstance(t, str) and t]
 
 
 def _first_difference(a: Any, b: Any) -> int | None:
