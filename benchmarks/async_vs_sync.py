@@ -37,6 +37,7 @@ class JudgedArithmetic(ArithmeticEnv):
     """Arithmetic whose grading waits `latency_s`, like a call to a remote judge."""
 
     latency_s = 0.0
+    blocking = True  # it waits: off the event loop, unlike the arithmetic it extends
 
     def step(self, action):
         time.sleep(self.latency_s)
