@@ -1,11 +1,12 @@
 """The train loop: rollouts feed the data bus, the trainer consumes it, weights flow back.
 
-One loop serves both schedules. `mode: sync` is the colocated schedule
-(generate a step's groups, train, push weights, repeat); `mode: async` lets
-rollouts run ahead of the trainer by at most `max_staleness` versions through
-the bus's admission control. Each step trains on its groups sorted by task
-seed, so with `max_staleness: 0` the async run trains on exactly the batches
-of the sync run.
+Two schedules share everything but their loop: `mode: sync` is the colocated
+schedule written out plainly (generate a step's groups, train, push weights,
+repeat); `mode: async` lets rollouts run ahead of the trainer by at most
+`max_staleness` versions through the data bus's admission control. Requests
+are seeded per (task, group member, turn) and each step trains on its groups
+sorted by task seed, so with `max_staleness: 0` the async run reproduces the
+sync run's batches, and its losses, exactly.
 """
 
 from __future__ import annotations
