@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -193,3 +194,21 @@ def test_a_dead_engine_aborts_episodes_with_a_clear_reason(models):
     trajs = asyncio.run(run())
     assert {t.status for t in trajs} == {"aborted"}
     assert all("127.0.0.1:9" in t.status_reason for t in trajs)
+
+
+class Judged(ArithmeticEnv):
+    """Each step waits for 15 other episodes' steps (a barrier), as if they shared a slow remote judge."""
+
+    blocking = True
+    barrier = threading.Barrier(16, timeout=60)
+
+    def step(self, action):
+        self.barrier.wait()  # breaks (and the step raises) unless 16 steps run at the same time
+        return super().step(action)
+
+
+def test_blocking_env_steps_run_concurrently_not_a_few_at_a_time(warm):
+    relax_gym.register("test/Judged-v0", Judged)
+    trajs = asyncio.run(_episodes(warm, "test/Judged-v0", n=16, temperature=0.0, max_new_tokens=8))
+    # with asyncio's stock pool (min(32, cpus + 4) threads) the barrier would break: failed episodes
+    assert {t.status for t in trajs} == {"completed"}, {t.status_reason for t in trajs}

@@ -14,6 +14,7 @@ import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -90,6 +91,8 @@ class RolloutManager:
         self.sampling = sampling or SamplingParams()
         self.limits = limits or RolloutLimits()
         self._slots = asyncio.Semaphore(max_concurrency)
+        self.max_concurrency = max_concurrency
+        self._threads_for: asyncio.AbstractEventLoop | None = None
         self._pools: dict[tuple[str, str], EnvPool] = {}
         self.eos_ids = _eos_ids(loaded)
         #: when set, every request is seeded from (this, task seed, member of the group, turn), so a
@@ -125,7 +128,21 @@ class RolloutManager:
         groups = await asyncio.gather(*(one(i) for i in range(n_tasks)))
         return [t for g in groups for t in g]
 
+    def _ensure_threads(self) -> None:
+        """Gives the running loop a thread pool as large as the episode concurrency.
+
+        Blocking envs step in the loop's default executor (`asyncio.to_thread`),
+        whose stock size is min(32, cpus + 4): with a 50 ms judge call per step, 6
+        threads would serve 256 concurrent episodes 6 at a time.
+        """
+        loop = asyncio.get_running_loop()
+        if self._threads_for is not loop:
+            workers = min(self.max_concurrency, 512)
+            loop.set_default_executor(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="relax-env"))
+            self._threads_for = loop
+
     async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "", member: int = 0) -> Trajectory:
+        self._ensure_threads()
         async with self._slots:
             env = pool.acquire()
             episode = _Episode(self, env, pool.env_id, seed, group_id, member)
