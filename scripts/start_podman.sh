@@ -39,7 +39,11 @@ ping_ok() {
 if ! ping_ok; then
     mkdir -p "$(dirname "$SOCK")"
     rm -f "$SOCK"
-    # setsid + nohup: the service must outlive this script and its session.
+    # setsid + nohup: the service must outlive this script and its session. It runs in a folder of
+    # its own: conmon writes an `oom` marker into its working directory when a container is
+    # OOM-killed, which would otherwise land in whatever checkout started the service.
+    mkdir -p /run/relax-gym-podman
+    cd /run/relax-gym-podman
     setsid nohup podman system service --time=0 "unix://$SOCK" >>"$LOG" 2>&1 < /dev/null &
     for _ in $(seq 1 60); do
         ping_ok && break
