@@ -203,3 +203,25 @@ def test_parallel_step_loss_equals_tp1(parallel: dict[str, dict[str, Any]], tp1:
     assert abs(parallel[layout]["metrics"]["loss"] - tp1["metrics"]["loss"]) <= LOSS_TOL
     assert abs(parallel[layout]["next_loss"] - tp1["next_loss"]) <= LOSS_TOL
     assert abs(parallel[layout]["one_sample_step_loss"] - tp1["one_sample_step_loss"]) <= LOSS_TOL
+
+
+def test_one_step_gives_the_same_loss_on_both_backends() -> None:
+    """The same samples and the real GRPO loss on TorchBackend and MegatronBackend: same losses.
+
+    Two steps, so the second loss also shows the two optimizers updated the weights alike.
+    """
+    from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
+    from relax_gym.trainer.backends.torch_backend import TorchBackend
+
+    samples = make_samples()
+    for i, s in enumerate(samples):
+        s.advantage = (-1.0) ** i * (0.5 + i / 10)
+    grpo = make_loss_fn(AlgorithmConfig(algorithm="grpo", entropy_coef=0.01))
+    kwargs = {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": 1.0, "micro_batch_tokens": MICRO_BATCH_TOKENS, "seed": 0}
+    backends = {"torch": TorchBackend(load_model("tiny"), **kwargs),
+                "megatron": MegatronBackend(load_model("tiny").model, **kwargs)}
+    losses = {name: [b.train_step(samples, grpo, temperature=0.8)["loss"] for _ in range(2)]
+              for name, b in backends.items()}
+    assert losses["torch"][0] == pytest.approx(losses["megatron"][0], abs=1e-5)
+    assert losses["torch"][1] == pytest.approx(losses["megatron"][1], abs=1e-4)
+    assert losses["torch"][1] != losses["torch"][0]  # the first step changed the weights

@@ -13,6 +13,8 @@ import io
 import math
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -326,5 +328,37 @@ def test_per_token_page_and_lazy_cards(browser, token_html, tok, tmp_path):
     assert view.page.locator(".seg").count() == 0  # conversations stay in their templates until opened
     view.page.locator("#t250 > summary").click()
     assert view.page.locator("#t250 .seg").count() == 2
+    assert view.errors == []
+    view.page.close()
+
+
+def test_real_rollouts_through_the_cli_render_in_the_browser(browser, tmp_path):
+    """`relax-gym rollout` (real tiny models, real engine) then `relax-gym view`, then Chromium."""
+    from relax_gym.trajectory import read_jsonl
+
+    def cli(*args: str) -> None:  # a process of its own: playwright's sync API holds this one's event loop
+        done = subprocess.run([sys.executable, "-m", "relax_gym.cli", *args], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    runs = [("relax/DeepEyes-v0", "tiny-vl"), ("relax/AudioQA-v0", "tiny-audio"), ("relax/GuessNumber-v0", "tiny")]
+    for i, (env_id, model) in enumerate(runs):
+        cli("rollout", "--env", env_id, "--model", model, "-n", "2", "--group", "2", "--out",
+            str(tmp_path / f"{i}.jsonl"), "--max-new-tokens", "8", "--max-turns", "2")
+    merged = tmp_path / "all.jsonl"
+    merged.write_text("".join((tmp_path / f"{i}.jsonl").read_text() for i in range(len(runs))))
+    trajs = list(read_jsonl(merged))
+    assert len(trajs) == 12
+    html = tmp_path / "all.html"
+    cli("view", str(merged), "-o", str(html), "--model", "tiny")
+    view = Loaded(browser, html)
+    page = view.page
+    assert page.locator("details.card").count() == 12
+    page.click("text=expand all")
+    images = sum(1 for t in trajs for m in t.media if not isinstance(m, tuple))
+    clips = sum(1 for t in trajs for m in t.media if isinstance(m, tuple))
+    assert images >= 4 and clips >= 4
+    assert page.locator(".media img").count() == images
+    assert page.locator("audio").count() == clips
     assert view.errors == []
     view.page.close()
