@@ -287,31 +287,35 @@ def test_image_decodes_and_audio_loads(loaded):
 
 
 def test_filters_and_collapse(loaded):
+    from playwright.sync_api import expect
+
     page = loaded.page
     failed = page.locator('details.card[data-status="failed"]')
-    assert failed.is_visible()
+    expect(failed).to_be_visible()
     page.locator('#f-status input[value="failed"]').uncheck()
-    assert not failed.is_visible()
-    assert page.locator("details.card:visible").count() == 3
-    assert page.inner_text("#f-count") == "3 of 4 shown"
+    expect(failed).to_be_hidden()
+    expect(page.locator("details.card:visible")).to_have_count(3)
+    expect(page.locator("#f-count")).to_have_text("3 of 4 shown")
     page.select_option("#f-env", "relax/AudioQA-v0")
-    assert page.locator("details.card:visible").count() == 1
+    expect(page.locator("details.card:visible")).to_have_count(1)
     page.select_option("#f-env", "")
     page.locator('#f-status input[value="failed"]').check()
-    assert page.inner_text("#f-count") == "4 of 4 shown"
+    expect(page.locator("#f-count")).to_have_text("4 of 4 shown")
 
     first = page.locator("#t1")
     first.locator(":scope > summary").click()
-    assert first.get_attribute("open") is None
-    assert not first.locator(".convo").is_visible()
+    expect(first).not_to_have_attribute("open", "")
+    expect(first.locator(".convo")).to_be_hidden()
     page.click("#expand-all")
-    assert first.locator(".convo").is_visible()
+    expect(first.locator(".convo")).to_be_visible()
     page.click("#collapse-all")
-    assert page.locator("details.card[open]").count() == 0
+    expect(page.locator("details.card[open]")).to_have_count(0)
     assert loaded.errors == []
 
 
 def test_per_token_page_and_lazy_cards(browser, token_html, tok, tmp_path):
+    from playwright.sync_api import expect
+
     view = Loaded(browser, token_html)
     spans = view.page.locator("#t1 .seg.policy .t")
     assert spans.count() > 5
@@ -327,13 +331,15 @@ def test_per_token_page_and_lazy_cards(browser, token_html, tok, tmp_path):
     view = Loaded(browser, big)
     assert view.page.locator(".seg").count() == 0  # conversations stay in their templates until opened
     view.page.locator("#t250 > summary").click()
-    assert view.page.locator("#t250 .seg").count() == 2
+    expect(view.page.locator("#t250 .seg")).to_have_count(2)  # filled on the toggle event: wait for it
     assert view.errors == []
     view.page.close()
 
 
 def test_real_rollouts_through_the_cli_render_in_the_browser(browser, tmp_path):
     """`relax-gym rollout` (real tiny models, real engine) then `relax-gym view`, then Chromium."""
+    from playwright.sync_api import expect
+
     from relax_gym.trajectory import read_jsonl
 
     def cli(*args: str) -> None:  # a process of its own: playwright's sync API holds this one's event loop
@@ -358,7 +364,7 @@ def test_real_rollouts_through_the_cli_render_in_the_browser(browser, tmp_path):
     images = sum(1 for t in trajs for m in t.media if not isinstance(m, tuple))
     clips = sum(1 for t in trajs for m in t.media if isinstance(m, tuple))
     assert images >= 4 and clips >= 4
-    assert page.locator(".media img").count() == images
-    assert page.locator("audio").count() == clips
+    expect(page.locator(".media img")).to_have_count(images)  # cards fill in as they open
+    expect(page.locator("audio")).to_have_count(clips)
     assert view.errors == []
     view.page.close()
