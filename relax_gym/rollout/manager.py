@@ -151,7 +151,9 @@ class RolloutManager:
             except TimeoutError:
                 episode.end("aborted", f"episode timed out after {self.limits.episode_timeout_s}s")
             finally:
-                pool.release(env, healthy=episode.status != "failed")
+                # an aborted episode's env may still be inside a step in a worker thread (a timeout
+                # cancels the await, not the thread): only envs that ended cleanly are reused
+                pool.release(env, healthy=episode.status in ("completed", "truncated"))
             return episode.trajectory()
 
     async def close(self) -> None:
@@ -172,7 +174,6 @@ class _Episode:
         self.infos: list[dict[str, Any]] = []
         self.task = ""
         self.timing = {"generate_s": 0.0, "env_s": 0.0}
-        self.template_error = ""
 
     def end(self, status: Status, reason: str = "") -> None:
         if self.status is None:
