@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from engine_support import make_request, teacher_forced
 from PIL import Image
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, EngineError, GenerateRequest, RequestError, SamplingParams
-from relax_gym.models import MEDIA_KEYS, LoadedModel, load_model, processor_inputs, save_model, sequence_inputs
+from relax_gym.models import LoadedModel, load_model, save_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 PROMPTS = ("What is 6*7?", "Count the red apples in the box, then check the answer.", "Hi")
@@ -44,29 +45,6 @@ def _conversations(name: str) -> list[list[M.Message]]:
             [M.user(_clip(2, 8_000), "What is this?")],
         ]
     return [[M.user(p)] for p in PROMPTS]
-
-
-def _request(loaded: LoadedModel, conversation: list[M.Message], sampling: SamplingParams) -> GenerateRequest:
-    """As the rollout manager builds it: exact ids, raw media, and the processor's media outputs."""
-    inputs = processor_inputs(loaded, conversation)
-    parts = [p for message in conversation for p in message["content"]]
-    return GenerateRequest(
-        inputs["input_ids"][0].tolist(),
-        sampling,
-        images=[p["image"] for p in parts if p["type"] == "image"],
-        audios=[(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"],
-        mm_inputs={k: inputs[k] for k in MEDIA_KEYS if k in inputs} or None,
-    )
-
-
-def _teacher_forced(loaded: LoadedModel, request: GenerateRequest, output_ids: list[int]) -> torch.Tensor:
-    """What the trainer recomputes: log softmax(logits / T) of the generated tokens, one unpadded row."""
-    media = [request.mm_inputs] if request.mm_inputs else []
-    inputs = sequence_inputs(loaded, request.input_ids + output_ids, media)
-    with torch.no_grad():
-        logits = loaded.model(**inputs).logits[0].float()
-    scaled = logits[len(request.input_ids) - 1 : -1] / (request.sampling.temperature or 1.0)
-    return scaled.log_softmax(-1).gather(1, torch.tensor(output_ids)[:, None]).squeeze(1)
 
 
 def _run(coro):
@@ -146,7 +124,7 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_i
         SamplingParams(temperature=1.0, max_new_tokens=20),
         SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=16),
     ]
-    requests = [_request(loaded, c, s) for c, s in zip(_conversations(name), samplings, strict=True)]
+    requests = [make_request(loaded, c, s) for c, s in zip(_conversations(name), samplings, strict=True)]
     sent = (
         requests if with_mm_inputs else [GenerateRequest(r.input_ids, r.sampling, r.images, r.audios) for r in requests]
     )
@@ -158,7 +136,7 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_i
     for request, out in zip(requests, outputs, strict=True):
         assert out.finish_reason == "length" and len(out.output_ids) == request.sampling.max_new_tokens
         assert out.prompt_tokens == len(request.input_ids) and out.weight_version == 0
-        expected = _teacher_forced(loaded, request, out.output_ids)
+        expected = teacher_forced(loaded, request, out.output_ids)
         worst = max(worst, (expected - torch.tensor(out.logprobs)).abs().max().item())
     print(f"{name} ({'mm_inputs' if with_mm_inputs else 'raw media'}): max |logprob diff| = {worst:.2e}")
     assert worst <= 1e-4
@@ -171,7 +149,7 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_i
 def test_concurrent_requests_are_batched(chaotic, prefills):
     loaded = chaotic
     batches = prefills(loaded.model)
-    requests = [_request(loaded, [M.user(f"Question {i}: what is {i} + {i}?")], GREEDY) for i in range(8)]
+    requests = [make_request(loaded, [M.user(f"Question {i}: what is {i} + {i}?")], GREEDY) for i in range(8)]
     outputs = _run(_generate_all(EmbeddedEngine(loaded, max_batch_size=32), requests))
     assert len(outputs) == 8 and sum(batches) == 8
     assert len(batches) < 8 and max(batches) > 1, batches
@@ -183,7 +161,7 @@ def test_concurrent_requests_are_batched(chaotic, prefills):
 def test_max_batch_size_caps_a_batch(tiny, prefills):
     loaded = tiny["tiny"]
     batches = prefills(loaded.model)
-    requests = [_request(loaded, [M.user(f"Question {i}")], GREEDY) for i in range(7)]
+    requests = [make_request(loaded, [M.user(f"Question {i}")], GREEDY) for i in range(7)]
     _run(_generate_all(EmbeddedEngine(loaded, max_batch_size=3), requests))
     assert sum(batches) == 7 and max(batches) <= 3
 
@@ -193,7 +171,7 @@ def test_mixed_sampling_params_in_one_batch(chaotic, prefills):
     """Greedy rows equal their solo runs; each row keeps its own max_new_tokens, stop string and stop id."""
     loaded = chaotic
     tokenizer = loaded.tokenizer
-    base = [_request(loaded, [M.user(p)], SamplingParams(temperature=0, max_new_tokens=24)) for p in PROMPTS]
+    base = [make_request(loaded, [M.user(p)], SamplingParams(temperature=0, max_new_tokens=24)) for p in PROMPTS]
     solo = [_run(_generate_all(EmbeddedEngine(loaded), [r]))[0] for r in base]
     assert all(s.finish_reason == "length" and len(s.output_ids) == 24 for s in solo)
 
@@ -256,7 +234,7 @@ def test_sampled_rows_stop_at_their_stop_strings(chaotic):
 @pytest.mark.timeout(60)
 def test_sampling_is_seeded(tiny):
     loaded = tiny["tiny"]
-    requests = [_request(loaded, [M.user(p)], SamplingParams(temperature=1.0, max_new_tokens=16)) for p in PROMPTS]
+    requests = [make_request(loaded, [M.user(p)], SamplingParams(temperature=1.0, max_new_tokens=16)) for p in PROMPTS]
     first = _run(_generate_all(EmbeddedEngine(loaded, seed=7), requests))
     again = _run(_generate_all(EmbeddedEngine(loaded, seed=7), requests))
     other = _run(_generate_all(EmbeddedEngine(loaded, seed=8), requests))
@@ -290,7 +268,7 @@ def test_eos_stops_a_row_and_is_kept(text_model):
 def test_a_bad_request_fails_alone(tiny):
     """A VL row whose placeholders do not match its image breaks the batch; the others still finish."""
     loaded = tiny["tiny-vl"]
-    good = _request(loaded, _conversations("tiny-vl")[2], GREEDY)
+    good = make_request(loaded, _conversations("tiny-vl")[2], GREEDY)
     ids = list(good.input_ids)
     ids.remove(loaded.model.config.image_token_id)  # one placeholder fewer than the image has features
     bad = GenerateRequest(ids, GREEDY, mm_inputs=good.mm_inputs)
@@ -334,7 +312,7 @@ def test_invalid_requests_raise(tiny, request_, match):
 
 @pytest.mark.timeout(60)
 def test_update_weights_from_a_state_dict_in_place(text_model):
-    request = _request(text_model, [M.user(PROMPTS[1])], SamplingParams(temperature=0, max_new_tokens=16))
+    request = make_request(text_model, [M.user(PROMPTS[1])], SamplingParams(temperature=0, max_new_tokens=16))
     params = {name: p.data_ptr() for name, p in text_model.model.named_parameters()}
     reference = _perturb(load_model("tiny"), 0.3, redraw=True)
     new = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
@@ -351,7 +329,7 @@ def test_update_weights_from_a_state_dict_in_place(text_model):
     before, after, version = _run(scenario())
     assert before.weight_version == 0 and after.weight_version == version == 3
     assert after.output_ids != before.output_ids
-    expected = _teacher_forced(reference, request, after.output_ids)
+    expected = teacher_forced(reference, request, after.output_ids)
     assert (expected - torch.tensor(after.logprobs)).abs().max() <= 1e-4
     assert {name: p.data_ptr() for name, p in text_model.model.named_parameters()} == params  # in place
 
@@ -362,7 +340,7 @@ def test_update_weights_from_a_saved_folder(tmp_path, name):
     """Qwen2-Audio's checkpoint keys differ from its module names; both load."""
     serving, trained = load_model(name), _perturb(load_model(name), 0.05)
     save_model(trained, tmp_path)
-    request = _request(serving, _conversations(name)[0], GREEDY)
+    request = make_request(serving, _conversations(name)[0], GREEDY)
 
     async def scenario():
         engine = EmbeddedEngine(serving)
@@ -376,7 +354,7 @@ def test_update_weights_from_a_saved_folder(tmp_path, name):
     assert out.weight_version == 5
     for key, value in trained.model.state_dict().items():
         assert torch.equal(serving.model.state_dict()[key], value), key
-    assert (_teacher_forced(trained, request, out.output_ids) - torch.tensor(out.logprobs)).abs().max() <= 1e-4
+    assert (teacher_forced(trained, request, out.output_ids) - torch.tensor(out.logprobs)).abs().max() <= 1e-4
 
 
 @pytest.mark.timeout(60)
@@ -485,7 +463,7 @@ def test_media_placeholders_are_never_sampled(name, token):
     still the full-vocabulary ones the trainer recomputes."""
     loaded = load_model(name)
     placeholder = loaded.tokenizer.convert_tokens_to_ids(token)
-    request = _request(loaded, [M.user("Describe it.")], GREEDY)
+    request = make_request(loaded, [M.user("Describe it.")], GREEDY)
     first = _run(_generate_all(EmbeddedEngine(loaded), [request]))[0].output_ids[0]
     with torch.no_grad():  # make the placeholder the model's favourite next token
         head = loaded.model.get_output_embeddings().weight
@@ -500,5 +478,5 @@ def test_media_placeholders_are_never_sampled(name, token):
     with torch.no_grad():
         logits = loaded.model(input_ids=torch.tensor([request.input_ids])).logits[0, -1]
     assert logits.argmax() == placeholder
-    expected = _teacher_forced(loaded, request, greedy.output_ids)
+    expected = teacher_forced(loaded, request, greedy.output_ids)
     assert (expected - torch.tensor(greedy.logprobs)).abs().max() <= 1e-4
