@@ -59,8 +59,7 @@ from relax_gym.engines.base import (
     RequestError,
     SamplingParams,
 )
-from relax_gym.models import LoadedModel
-from relax_gym.models.inputs import _resample
+from relax_gym.models import LoadedModel, encode_media
 
 # Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids"})
@@ -324,21 +323,10 @@ class EmbeddedEngine:
     ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """Token ids for `text` with its media placeholders expanded, and the media's processor
         outputs, exactly as `relax_gym.models.processor_inputs` makes them. Thread-safe."""
-        processor = self.loaded.processor
-        if processor is None:
-            if images or audios:
-                raise RequestError(f"model {self.loaded.name!r} takes text only, not images or audio")
-            with self._processor_lock:
-                return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"], {}
-        kwargs: dict[str, Any] = {}
-        if images:
-            kwargs["images"] = list(images)
-        if audios:
-            rate = processor.feature_extractor.sampling_rate
-            kwargs["audio"] = [_resample(np.asarray(w, dtype=np.float32), sr, rate) for w, sr in audios]
-            kwargs["sampling_rate"] = rate
-        with self._processor_lock:
-            out = processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
+        if self.loaded.processor is None and (images or audios):
+            raise RequestError(f"model {self.loaded.name!r} takes text only, not images or audio")
+        with self._processor_lock:  # processors are not thread-safe
+            out = encode_media(self.loaded, text, images, audios)
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in TOKEN_KEYS}
 
     def _eos_ids(self) -> frozenset[int]:

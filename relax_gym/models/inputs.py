@@ -98,15 +98,29 @@ def encode(loaded: LoadedModel, text: str, messages: list[Message]) -> BatchFeat
     The rollout manager encodes one turn's template delta at a time with this,
     so each image or clip goes through the processor once.
     """
-    if loaded.processor is None:
-        return BatchFeature(dict(loaded.tokenizer([text], add_special_tokens=False, return_tensors="pt")))
     parts = [p for msg in messages if isinstance(msg.get("content"), list) for p in msg["content"]]
+    images = [p["image"] for p in parts if p["type"] == "image"]
+    audios = [(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"]
+    return encode_media(loaded, text, images, audios)
+
+
+def encode_media(
+    loaded: LoadedModel,
+    text: str,
+    images: Sequence[Any] = (),
+    audios: Sequence[tuple[np.ndarray, int]] = (),
+) -> BatchFeature:
+    """Tokenizes `text` with its placeholders expanded for `images` and `audios` (waveform, rate), in order."""
+    if loaded.processor is None:
+        if images or audios:
+            raise ValueError(f"model {loaded.name!r} takes text only, not images or audio")
+        return BatchFeature(dict(loaded.tokenizer([text], add_special_tokens=False, return_tensors="pt")))
     kwargs: dict[str, Any] = {}
-    if images := [p["image"] for p in parts if p["type"] == "image"]:
-        kwargs["images"] = images
-    if audios := [p for p in parts if p["type"] == "audio"]:
+    if images:
+        kwargs["images"] = list(images)
+    if audios:
         rate = loaded.processor.feature_extractor.sampling_rate
-        kwargs["audio"] = [_resample(p["audio"], p["sampling_rate"], rate) for p in audios]
+        kwargs["audio"] = [_resample(np.asarray(w, dtype=np.float32), sr, rate) for w, sr in audios]
         kwargs["sampling_rate"] = rate
     return loaded.processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
 
