@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from relax_gym.engines.base import Engine, SamplingParams
+from relax_gym.engines.base import SamplingParams
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
+from relax_gym.rollout.run import make_engine
 from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
 from relax_gym.trainer.backends.base import Sample, TrainBackend
 from relax_gym.trainer.checkpoint import CheckpointManager
@@ -49,16 +50,6 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
                         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed)
 
 
-def make_engine(cfg: TrainConfig, loaded: LoadedModel) -> Engine:
-    if cfg.rollout.engine == "sglang":
-        from relax_gym.engines.sglang import SGLangEngine
-
-        return SGLangEngine(cfg.rollout.engine_url)
-    from relax_gym.engines.embedded import EmbeddedEngine
-
-    return EmbeddedEngine(loaded, max_batch_size=cfg.rollout.engine_max_batch_size, seed=cfg.seed)
-
-
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
     """GRPO-style samples: advantages relative to the group's trainable episodes."""
     usable = [t for t in group if t.status in TRAINABLE and t.num_generated > 0]
@@ -81,7 +72,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(_yaml(cfg))
         torch.manual_seed(cfg.seed)
         self.loaded = load_model(cfg.model)
-        self.engine = make_engine(cfg, self.loaded)
+        self.engine = make_engine(self.loaded, cfg.rollout.engine_url if cfg.rollout.engine == "sglang" else None,
+                                  max_batch_size=cfg.rollout.engine_max_batch_size, seed=cfg.seed)
         self.backend = make_backend(cfg, self.loaded)
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)

@@ -13,14 +13,15 @@ from relax_gym.rollout.metrics import summarize
 from relax_gym.trajectory import Trajectory
 
 
-def make_engine(loaded: Any, engine_url: str | None) -> Engine:
+def make_engine(loaded: Any, engine_url: str | None = None, **embedded: Any) -> Engine:
+    """An SGLang client when a URL is given, else the embedded engine over `loaded` (`embedded` kwargs)."""
     if engine_url:
         from relax_gym.engines.sglang import SGLangEngine
 
         return SGLangEngine(engine_url)
     from relax_gym.engines.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(loaded)
+    return EmbeddedEngine(loaded, **embedded)
 
 
 async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: str | Path, seed: int = 0,
@@ -35,6 +36,7 @@ async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: s
         sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens),
         limits=RolloutLimits(max_turns=max_turns, max_total_tokens=max_total_tokens),
         max_concurrency=concurrency,
+        sampling_seed=seed,  # the same command samples the same trajectories
     )
     settle_heap()
     done: list[Trajectory] = []
