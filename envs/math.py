@@ -218,8 +218,8 @@ class MathToolEnv(ToolEnv):
         gold = self.tasks[self.episode["task"]["index"]].answer
         return math_reward(answer, gold, answer_format=self.answer_format, timeout_s=self.timeout_s)
 
-    def _info(self, **extra: Any) -> dict[str, Any]:
-        return {"task_index": self.episode["task"]["index"], **super()._info(**extra)}
+    def episode_info(self) -> dict[str, Any]:
+        return {"task_index": self.episode["task"]["index"]}
 
     def close(self) -> None:
         if self._sandbox is not None:

@@ -95,7 +95,11 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
             return observation, 0.0, False, True, self._info(truncated_by="max_turns")
         return observation, 0.0, False, False, self._info()
 
+    def episode_info(self) -> dict[str, Any]:
+        """JSON-serialisable facts about the running episode for every `info` (a subclass adds its own)."""
+        return {}
+
     def _info(self, **extra: Any) -> dict[str, Any]:
         ep = self.episode
         counts = {k: ep[k] for k in ("turn", "tool_calls", "tool_successes", "tool_errors")}
-        return {**counts, **extra}
+        return {**counts, **self.episode_info(), **extra}

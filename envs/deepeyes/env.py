@@ -178,14 +178,14 @@ class DeepEyesEnv(ToolEnv):
     def _render(self, view: View) -> Image.Image:
         return render(self._current_image(), view, self.min_image_side, self.max_image_side)
 
-    def _info(self, **extra: Any) -> dict[str, Any]:
+    def episode_info(self) -> dict[str, Any]:
         ep = self.episode
         ours: dict[str, Any] = {"record": ep["task"]["index"]}
         if "view" in ep:
             ours["view"] = {"box": list(ep["view"]["box"]), "rotation": ep["view"]["rotation"]}
         if "reward_parts" in ep:
             ours["reward_parts"] = dict(ep["reward_parts"])
-        return super()._info(**ours, **extra)
+        return ours
 
     # --- tools ----------------------------------------------------------------------
     @tool
