@@ -1,5 +1,5 @@
 """The SGLang client against `relax-gym serve` over real HTTP on loopback: the same tokens and
-logprobs as the in-process engine, media as PNG / WAV, weight updates, pause, errors."""
+logprobs as the in-process engine, media as PNG / WAV, weight updates, pause, errors, outages."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import base64
 import importlib.util
 import io
+import logging
 import socket
 import subprocess
 import sys
@@ -35,7 +36,8 @@ from relax_gym.engines import (
     create_app,
     launch_sglang_server,
 )
-from relax_gym.engines.sglang import png_data_url, wav_data_url
+from relax_gym.engines.base import EngineUnavailableError
+from relax_gym.engines.sglang import backoff_delay, png_data_url, wav_data_url
 from relax_gym.models import LoadedModel, load_model, save_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -59,10 +61,10 @@ def _chaotic(name: str) -> LoadedModel:
 
 
 @contextmanager
-def _serving(loaded: LoadedModel) -> Iterator[tuple[str, EmbeddedEngine]]:
-    """`create_app` under uvicorn in a background thread on a free loopback port."""
+def _serving(loaded: LoadedModel, port: int | None = None) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """`create_app` under uvicorn in a background thread on loopback (a free port unless given)."""
     engine = EmbeddedEngine(loaded)
-    port = _free_port()
+    port = port or _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -79,14 +81,19 @@ def _serving(loaded: LoadedModel) -> Iterator[tuple[str, EmbeddedEngine]]:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[dict[str, str]]:
+def served() -> Iterator[dict[str, tuple[str, EmbeddedEngine]]]:
     """One server per tiny model (chaotic weights), for the tests that do not change weights."""
     with (
-        _serving(_chaotic("tiny")) as (text, _),
-        _serving(_chaotic("tiny-vl")) as (vl, _),
-        _serving(_chaotic("tiny-audio")) as (audio, _),
+        _serving(_chaotic("tiny")) as text,
+        _serving(_chaotic("tiny-vl")) as vl,
+        _serving(_chaotic("tiny-audio")) as audio,
     ):
         yield {"tiny": text, "tiny-vl": vl, "tiny-audio": audio}
+
+
+@pytest.fixture(scope="module")
+def servers(served) -> dict[str, str]:
+    return {name: url for name, (url, _) in served.items()}
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +368,8 @@ def test_serve_in_a_subprocess_then_a_stopped_server_raises(tmp_path, references
         process.wait(30)
 
     async def stopped(client: SGLangEngine):
-        with pytest.raises(EngineError, match=rf"server at {url} failed /generate after 3 attempts: unreachable"):
+        with pytest.raises(EngineUnavailableError, match=rf"server at {url} failed /generate after 3 attempts .*"
+                           r"last error: unreachable"):
             await client.generate(request)
         assert not await client.health()
 
@@ -384,3 +392,170 @@ def test_launcher_says_when_sglang_is_missing():
         pytest.skip("sglang is installed here: tests/test_sglang_real.py launches it")
     with pytest.raises(EngineError, match="sglang is not installed"):
         launch_sglang_server("/nowhere", _free_port())
+
+
+# --- outages, the connection pool, a server left paused ------------------------------------------
+
+
+def _counting(client: SGLangEngine) -> list[str]:
+    """The routes `client` sends, one entry per attempt."""
+    sent: list[str] = []
+    request = client._client.request
+
+    async def counted(method, route, **kwargs):
+        sent.append(route)
+        return await request(method, route, **kwargs)
+
+    client._client.request = counted
+    return sent
+
+
+async def _until(condition, what: str, bound_s: float = 30.0) -> None:
+    """Polls `condition`; the bound only says the test did not hang."""
+
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.wait_for(poll(), bound_s)
+    except TimeoutError:
+        pytest.fail(f"never saw: {what}")
+
+
+def _outage_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "relax_gym.engines" and r.levelno == logging.WARNING]
+
+
+def test_backoff_doubles_from_the_first_delay_up_to_the_cap():
+    assert [backoff_delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+    assert [backoff_delay(n, first_s=0.1, cap_s=0.3) for n in (1, 2, 3)] == pytest.approx([0.1, 0.2, 0.3])
+    assert backoff_delay(10**6, first_s=1e-9, cap_s=2.0) == 2.0  # no overflow however long the outage
+    with pytest.raises(ValueError, match="attempt counts from 1"):
+        backoff_delay(0)
+
+
+@pytest.mark.timeout(60)
+def test_an_outage_is_waited_out_until_the_server_comes_back(caplog):
+    """The server stops and comes back on the same port: a /generate sent meanwhile retries until it
+    answers, with one warning when the outage starts and one when it ends."""
+    caplog.set_level(logging.WARNING, logger="relax_gym.engines")
+    loaded = load_model("tiny")
+    port = _free_port()
+    request = GenerateRequest([5, 6, 7], GREEDY)
+
+    async def use(client: SGLangEngine):
+        first = _serving(loaded, port)
+        await asyncio.to_thread(first.__enter__)
+        before = await client.generate(request)
+        await asyncio.to_thread(first.__exit__, None, None, None)
+        sent = _counting(client)
+        waiting = asyncio.create_task(client.generate(request))
+        await _until(lambda: len(sent) >= 4 or waiting.done(), "4 attempts on the stopped server")
+        assert not waiting.done(), waiting.exception()
+        second = _serving(loaded, port)
+        await asyncio.to_thread(second.__enter__)
+        try:
+            after = await asyncio.wait_for(waiting, 30)
+        finally:
+            await asyncio.to_thread(second.__exit__, None, None, None)
+        return before, after, len(sent), client.outages
+
+    before, after, attempts, outages = asyncio.run(
+        _with_client(f"http://127.0.0.1:{port}", use, backoff_s=0.02, max_backoff_s=0.1, outage_timeout_s=60)
+    )
+    assert after.output_ids == before.output_ids and len(after.output_ids) == GREEDY.max_new_tokens
+    assert attempts >= 5 and outages == 1
+    logs = _outage_logs(caplog)
+    assert len(logs) == 2, logs
+    assert logs[0].startswith(f"server at http://127.0.0.1:{port} is unreachable (/generate: unreachable")
+    assert logs[1].startswith(f"server at http://127.0.0.1:{port} is back after")
+
+
+@pytest.mark.timeout(60)
+def test_an_outage_longer_than_its_budget_raises_unavailable(caplog):
+    """Past `outage_timeout_s` the error names the server, the route, the time waited and the last error;
+    the retries in between log nothing more."""
+    caplog.set_level(logging.WARNING, logger="relax_gym.engines")
+    url = f"http://127.0.0.1:{_free_port()}"
+
+    async def use(client: SGLangEngine):
+        sent = _counting(client)
+        with pytest.raises(EngineUnavailableError) as raised:
+            await client.pause()
+        with pytest.raises(EngineUnavailableError):
+            await client.resume()
+        return str(raised.value), sent
+
+    message, sent = asyncio.run(
+        _with_client(url, use, backoff_s=0.01, max_backoff_s=0.05, outage_timeout_s=0.5)
+    )
+    attempts = sent.count("/pause_generation")
+    assert attempts >= 5 and sent.count("/continue_generation") >= 5
+    assert message.startswith(f"server at {url} failed /pause_generation after {attempts} attempts over 0.")
+    assert "(outage_timeout_s=0.5); last error: unreachable (ConnectError" in message
+    assert len(_outage_logs(caplog)) == 1  # one outage, two calls, many retries: one warning
+
+
+@pytest.mark.timeout(60)
+def test_cancelling_a_call_that_waits_out_an_outage_ends_it():
+    """Ctrl-C cancels the main task: the retry loop must not swallow the cancellation."""
+    url = f"http://127.0.0.1:{_free_port()}"
+
+    async def use(client: SGLangEngine):
+        sent = _counting(client)
+        waiting = asyncio.create_task(client.generate(GenerateRequest([5, 6], GREEDY)))
+        await _until(lambda: len(sent) >= 6 or waiting.done(), "6 attempts on a closed port")
+        assert not waiting.done(), waiting.exception()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 5)  # a bound for "it did not hang"
+        return waiting.cancelled()
+
+    assert asyncio.run(_with_client(url, use, backoff_s=0.01, max_backoff_s=0.05, outage_timeout_s=600))
+
+
+@pytest.mark.timeout(60)
+def test_the_pool_lets_every_concurrent_request_reach_the_server(served):
+    """150 concurrent /generate calls on a paused server are all sent at once (httpx's default pool
+    would hold 50 of them back, then abort them once its pool timeout ran out)."""
+    url, engine = served["tiny"]
+    tiny = SamplingParams(temperature=0, max_new_tokens=1)
+
+    async def use(client: SGLangEngine):
+        await client.pause()
+        try:
+            calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(150)]
+            await _until(lambda: len(engine._jobs) >= 150 or any(c.done() for c in calls), "150 queued requests")
+            queued = len(engine._jobs)
+        finally:
+            await client.resume()
+        return queued, await asyncio.gather(*calls)
+
+    queued, outputs = asyncio.run(_with_client(url, use))
+    assert queued == 150 and len(outputs) == 150 and all(len(out.output_ids) == 1 for out in outputs)
+
+
+@pytest.mark.timeout(60)
+def test_connect_resumes_a_server_left_paused(servers):
+    """A trainer killed between pause() and resume() leaves the server paused; the next run's
+    connect() makes it serve again and returns the model info."""
+    url = servers["tiny"]
+
+    def paused() -> bool:
+        return httpx.get(f"{url}/get_server_info", timeout=30).json()["paused"]
+
+    async def killed_trainer(client: SGLangEngine):
+        await client.pause()
+
+    async def next_run(client: SGLangEngine):
+        info = await client.connect()
+        return info, paused(), await client.generate(GenerateRequest([5, 6], GREEDY))
+
+    try:
+        asyncio.run(_with_client(url, killed_trainer))
+        assert paused()
+        info, still_paused, out = asyncio.run(_with_client(url, next_run))
+    finally:
+        httpx.post(f"{url}/continue_generation", timeout=30)
+    assert info["model_path"] == "tiny" and not still_paused and len(out.output_ids) == GREEDY.max_new_tokens

@@ -25,6 +25,10 @@ class RequestError(EngineError):
     """The request itself is invalid (the message names the field): retrying it cannot help."""
 
 
+class EngineUnavailableError(EngineError):
+    """The server stayed unreachable (or 502/503/504) for the whole outage budget: an outage, not a bad answer."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -4,8 +4,17 @@ The client speaks to `python -m sglang.launch_server` at scale and to
 `relax-gym serve` (the embedded engine behind the same routes) anywhere else.
 Images travel as base64 PNG data URLs, audio as base64 float WAV (lossless, so
 both servers see the exact pixels and samples); `mm_inputs` cannot travel, the
-server recomputes them from the media. Connection failures and 5xx answers are
-retried with exponential backoff; 4xx answers are not (retrying cannot help).
+server recomputes them from the media.
+
+Outages are waited out: connection failures and 502/503/504 answers are retried
+with capped exponential backoff for up to `outage_timeout_s` (a restarting
+server comes back within that), then `EngineUnavailableError`. A server that
+answers anything else has answered: 4xx is a `RequestError`, 500/501 an
+`EngineError`, both at once; a read timeout is an error too (the request may
+still be running). The connection pool is unlimited unless `max_connections` is
+given, and never times out on its own, so a pool smaller than the run's
+concurrency cannot abort requests. `connect()` resumes a server left paused by
+a trainer that was killed between `pause()` and `resume()`.
 
 With a real SGLang server: `pause()` sends mode "in_place" (SGLang holds running
 requests rather than finishing them: it has no drain mode), a state-dict
@@ -20,6 +29,7 @@ import asyncio
 import base64
 import importlib.util
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -36,7 +46,26 @@ import soundfile
 from PIL import Image
 from safetensors.torch import save
 
-from relax_gym.engines.base import EngineError, GenerateOutput, GenerateRequest, RequestError
+from relax_gym.engines.base import (
+    EngineError,
+    EngineUnavailableError,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+)
+
+logger = logging.getLogger("relax_gym.engines")
+
+#: answers from a server (or its proxy) that is down or restarting, not a verdict on the request
+OUTAGE_STATUSES = frozenset({502, 503, 504})
+
+
+def backoff_delay(attempt: int, first_s: float = 0.5, cap_s: float = 5.0) -> float:
+    """Seconds to wait before retry number `attempt` (1, 2, ...): doubling from `first_s`, at most `cap_s`,
+    so a long outage is polled every `cap_s` rather than ever more rarely."""
+    if attempt < 1:
+        raise ValueError(f"attempt counts from 1, got {attempt}")
+    return min(cap_s, first_s * 2.0 ** min(attempt - 1, 64))
 
 
 def png_data_url(image: Image.Image) -> str:
@@ -73,20 +102,55 @@ def _version(value: Any, fallback: int) -> int:
 class SGLangEngine:
     """An httpx client of one SGLang(-compatible) server at `base_url`."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        outage_timeout_s: float = 120.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 5.0,
+        retries: int | None = None,
+        max_connections: int | None = None,
+    ) -> None:
+        """`timeout_s` bounds one request's reads; `outage_timeout_s` how long one call waits out an unreachable
+        server (`retries`, if given, also caps its retries); `max_connections=None` leaves the pool unlimited,
+        so it never caps the run's concurrency (size it to the run's concurrency otherwise)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.retries = retries
+        self.outage_timeout_s = outage_timeout_s
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retries = retries
         self._version = 0
+        self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
+        self._outages = 0
         self._client = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+            base_url=self.base_url,
+            # pool=None: waiting for a free connection never aborts a request that its own timeout would allow
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
     @property
     def weight_version(self) -> int:
         """The version of the last output or update seen (0 before any)."""
         return self._version
+
+    @property
+    def outages(self) -> int:
+        """Outages waited out so far: a server that came back may have restarted on other weights."""
+        return self._outages
+
+    async def connect(self) -> dict[str, Any]:
+        """Waits (up to `outage_timeout_s`) for the server, resumes generation and returns /get_model_info.
+
+        A trainer killed between `pause()` and `resume()` leaves the server paused, and every later /generate
+        would wait forever. /continue_generation goes first: SGLang's /health generates a token, so it cannot
+        answer 200 while paused."""
+        await self.resume()
+        await self._request("GET", "/health", None)
+        return await self.model_info()
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         if request.mm_inputs and not (request.images or request.audios):
@@ -158,27 +222,53 @@ class SGLangEngine:
         await self._client.aclose()
 
     async def _request(self, method: str, route: str, payload: dict[str, Any] | None) -> httpx.Response:
-        """One call with retries on connection failures and 5xx; an EngineError naming the server otherwise."""
+        """One call, waiting out an outage (see the module docstring); an EngineError naming the server otherwise.
+
+        Only `httpx.HTTPError`s are caught: cancellation (Ctrl-C) ends the wait at once."""
         where = f"server at {self.base_url}"
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+        failed_at: float | None = None
+        attempt = 0
+        while True:
             try:
                 response = await self._client.request(method, route, json=payload)
             except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as err:
                 raise EngineError(f"{where} did not answer {route} within {self.timeout_s} s") from err
             except httpx.TransportError as err:
                 last = f"unreachable ({type(err).__name__}: {err})"
-                continue
-            if response.status_code < 400:
-                return response
-            last = f"answered {response.status_code} to {route}: {_message(response)}"
-            if response.status_code < 500:
-                raise RequestError(f"{where} {last}")
-            if response.status_code == 501:
-                raise EngineError(f"{where} {last}")
-        raise EngineError(f"{where} failed {route} after {self.retries + 1} attempts: {last}")
+            else:
+                if response.status_code not in OUTAGE_STATUSES:
+                    self._reachable()
+                    if response.status_code < 400:
+                        return response
+                    message = f"{where} answered {response.status_code} to {route}: {_message(response)}"
+                    raise (RequestError if response.status_code < 500 else EngineError)(message)
+                last = f"answered {response.status_code}: {_message(response)}"
+            now = time.monotonic()
+            failed_at = now if failed_at is None else failed_at
+            self._unreachable(route, last)
+            attempt += 1
+            left = self.outage_timeout_s - (now - failed_at)
+            if left <= 0 or (self.retries is not None and attempt > self.retries):
+                raise EngineUnavailableError(
+                    f"{where} failed {route} after {attempt} attempts over {now - failed_at:.1f} s "
+                    f"(outage_timeout_s={self.outage_timeout_s:g}); last error: {last}"
+                )
+            await asyncio.sleep(min(backoff_delay(attempt, self.backoff_s, self.max_backoff_s), left))
+
+    def _unreachable(self, route: str, error: str) -> None:
+        """One warning per outage, however many calls and retries wait it out."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            logger.warning(
+                "server at %s is unreachable (%s: %s); waiting up to %g s per call for it to come back",
+                self.base_url, route, error, self.outage_timeout_s,
+            )
+
+    def _reachable(self) -> None:
+        if self._down_since is not None:
+            logger.warning("server at %s is back after %.1f s", self.base_url, time.monotonic() - self._down_since)
+            self._down_since = None
+            self._outages += 1
 
 
 @dataclass
