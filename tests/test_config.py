@@ -61,8 +61,32 @@ def test_structural_errors_are_clear(tmp_path, base):
 
 
 def test_sync_mode_is_on_policy(base):
-    cfg = load_config(base, ["trainer.mode=sync", "trainer.max_staleness=3"])
-    assert cfg.trainer.max_staleness == 0
+    assert load_config(base, ["trainer.mode=sync"]).trainer.max_staleness == 0
+    with pytest.raises(ConfigError, match=r"mode=sync is on-policy: trainer.max_staleness must be 0, got 3"):
+        load_config(base, ["trainer.mode=sync", "trainer.max_staleness=3"])
+
+
+def test_combinations_that_cannot_learn_are_refused(base):
+    with pytest.raises(ConfigError, match=r"group_size=1 with algorithm.name=grpo.*every one would be 0"):
+        load_config(base, ["rollout.group_size=1"])
+    err = pytest.raises(ConfigError, load_config, base, ["rollout.group_size=1"]).value
+    assert "got {" not in str(err)  # a whole-config check names its keys, not the whole tree
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01\xff\xfebinary", "run_dir: caf\xe9\n".encode("latin-1")])
+def test_binary_or_latin1_config_is_one_clear_error(tmp_path, content):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"not UTF-8 text|not valid YAML") as err:
+        load_config(path)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_bad_override_paths_are_config_errors(base):
+    with pytest.raises(ConfigError, match="envs.x"):
+        load_config(base, ["envs.x.kwargs={}"])
+    with pytest.raises(ConfigError, match="envs.5"):
+        load_config(base, ["envs.5.id=a"])
 
 
 def test_algorithm_section_is_checked_by_the_algorithms_own_config(base):

@@ -15,6 +15,7 @@ from relax_gym.models import (
     CHAT_TEMPLATE,
     TINY_MODELS,
     LoadedModel,
+    ModelLoadError,
     build_tiny_audio,
     build_tiny_text,
     build_tiny_vl,
@@ -281,7 +282,7 @@ def test_save_then_load_gives_identical_logits(tiny, name, tmp_path):
 
 def test_load_model_dtype_and_unknown_paths(tmp_path):
     assert load_model("tiny", dtype=torch.bfloat16).model.dtype == torch.bfloat16
-    with pytest.raises(FileNotFoundError, match=r"no folder at .*nowhere.*tiny, tiny-vl, tiny-audio"):
+    with pytest.raises(ModelLoadError, match=r"no folder at .*nowhere.*tiny, tiny-vl, tiny-audio"):
         load_model(str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match=r"has no config\.json.*tiny, tiny-vl, tiny-audio"):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json.*tiny, tiny-vl, tiny-audio"):
         load_model(str(tmp_path))

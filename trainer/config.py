@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from relax_gym.errors import StartupError
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -28,6 +30,8 @@ class EnvConfig(_Strict):
 class RolloutConfig(_Strict):
     engine: Literal["embedded", "sglang"] = "embedded"
     engine_url: str | None = None
+    #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
+    engine_outage_timeout_s: float = Field(120.0, gt=0)
     group_size: int = Field(8, ge=1)
     groups_per_step: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -96,6 +100,11 @@ class TrainerSection(_Strict):
     checkpoint_every: int = Field(20, ge=1)
     eval_every: int = Field(0, ge=0)
     eval_tasks: int = Field(32, ge=1)
+    #: the run stops (exit 1, with the episodes' statuses and reasons) after this many steps in a row
+    #: with no trainable sample: such a run cannot learn
+    max_steps_without_samples: int = Field(3, ge=1)
+    #: auto: continue from run_dir's latest checkpoint, saying so; never: refuse a run_dir that has one
+    resume: Literal["auto", "never"] = "auto"
     megatron: MegatronSection = Field(default_factory=MegatronSection)
 
 
@@ -111,16 +120,24 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        """Combinations that cannot mean what they say are errors, not silent rewrites."""
         if self.trainer.mode == "sync" and self.trainer.max_staleness != 0:
-            self.trainer.max_staleness = 0  # sync is on-policy by definition
+            if "max_staleness" in self.trainer.model_fields_set:
+                raise ValueError(f"trainer.mode=sync is on-policy: trainer.max_staleness must be 0, got "
+                                 f"{self.trainer.max_staleness} (use trainer.mode=async for off-policy steps)")
+            self.trainer.max_staleness = 0  # the default (1) is async's; sync is on-policy by definition
         if self.rollout.engine == "sglang" and not self.rollout.engine_url:
             raise ValueError("rollout.engine=sglang needs rollout.engine_url")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
+        if self.algorithm.name != "distill" and self.rollout.group_size < 2:
+            raise ValueError(f"rollout.group_size=1 with algorithm.name={self.algorithm.name}: advantages are "
+                             "relative to the task's group, so every one would be 0 and nothing would be learnt; "
+                             "use rollout.group_size >= 2")
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(StartupError):
     """The config file or an override is wrong; the message names the key."""
 
 
@@ -152,8 +169,10 @@ def _explain(err: ValidationError) -> str:
             prefix = ".".join(str(p) for p in loc[:-1])
             hint = f" Did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
             lines.append(f"unknown key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            lines.append(str(e["ctx"]["error"]))  # a whole-section check: its message names the keys
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r:.200})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -183,16 +202,24 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                              "save the config as UTF-8 YAML") from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML: {err}") from err
+            raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        except OSError as err:
+            raise ConfigError(f"config file {p}: cannot read it: {err.strerror}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        try:
+            _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        except (yaml.YAMLError, ValueError, IndexError, KeyError) as err:
+            raise ConfigError(f"override {item!r}: {type(err).__name__}: {err}") from None
     try:
         return TrainConfig.model_validate(tree)
     except ValidationError as err:

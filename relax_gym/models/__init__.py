@@ -16,7 +16,14 @@ from relax_gym.models.inputs import (
     sequence_inputs,
     template_messages,
 )
-from relax_gym.models.loading import TINY_MODELS, LoadedModel, config_modalities, load_model, save_model
+from relax_gym.models.loading import (
+    TINY_MODELS,
+    LoadedModel,
+    ModelLoadError,
+    config_modalities,
+    load_model,
+    save_model,
+)
 from relax_gym.models.tiny import build_tiny_audio, build_tiny_text, build_tiny_vl, without_video
 from relax_gym.models.tokenizer import build_tokenizer
 
@@ -25,6 +32,7 @@ __all__ = [
     "MEDIA_KEYS",
     "TINY_MODELS",
     "LoadedModel",
+    "ModelLoadError",
     "build_tiny_audio",
     "build_tiny_text",
     "build_tiny_vl",
