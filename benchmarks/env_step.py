@@ -17,20 +17,10 @@ import time
 from collections.abc import Callable
 
 import relax_gym
+from relax_gym.conformance import SCRIPTED_EPISODES
 from relax_gym.messages import user
 
-SCRIPTS: dict[str, list[str]] = {
-    "relax/Math-v0": ["The answer is \\boxed{42}."],
-    "relax/MathTool-v0": ['<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>',
-                          "\\boxed{42}"],
-    "relax/DeepEyes-v0": ['<tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [100, 100, 400, 300]}}'
-                          "</tool_call>", "<answer>red</answer>"],
-    "relax/AudioQA-v0": ["<answer>A</answer>"],
-    "relax/Arithmetic-v0": ["7"],
-    "relax/Countdown-v0": ["<answer>(1+2)*3</answer>"],
-    "relax/GuessNumber-v0": ["8", "4", "12", "2", "6", "10"],
-    "relax/ReasoningGym-v0": ["<answer>4</answer>"],
-}
+SCRIPTS = SCRIPTED_EPISODES  # the conformance checker plays the same episodes
 
 
 class Echo(relax_gym.Env):

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 import textwrap
@@ -6,8 +7,9 @@ import gymnasium
 import pytest
 
 import relax_gym
+from relax_gym.conformance import resolve
 from relax_gym.envs import BUNDLED
-from relax_gym.registration import EnvArgumentError, UnknownEnvError
+from relax_gym.registration import EnvArgumentError, EnvTargetError, UnknownEnvError, resolve_env_id
 
 
 class Echo(relax_gym.Env):
@@ -72,38 +74,131 @@ def test_gymnasium_make_bundled_env_in_a_fresh_process():
     assert out.stdout.strip() == "MathEnv"
 
 
-def test_third_party_entry_point_registers_envs(tmp_path):
+PLUGIN = textwrap.dedent("""
+    import relax_gym
+
+    class Hello(relax_gym.Env):
+        \"\"\"Says hello.\"\"\"
+        def __init__(self):
+            print("Hello was constructed")
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return [relax_gym.messages.user("hello")], {}
+        def step(self, action):
+            return [], 1.0, True, False, {}
+
+    def register():
+        relax_gym.register("thirdparty/Hello-v0", Hello)
+
+    def register_nothing():
+        pass
+""")
+
+
+def _plugin_dist(tmp_path, entry_points: str) -> dict[str, str]:
+    """A real installed-looking distribution on PYTHONPATH: a package plus its dist-info with entry points."""
     pkg = tmp_path / "thirdparty_envs"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent("""
-        import relax_gym
-
-        class Hello(relax_gym.Env):
-            \"\"\"Says hello.\"\"\"
-            def reset(self, *, seed=None, options=None):
-                super().reset(seed=seed)
-                return [relax_gym.messages.user("hello")], {}
-            def step(self, action):
-                return [], 1.0, True, False, {}
-
-        def register():
-            relax_gym.register("thirdparty/Hello-v0", Hello)
-    """))
+    (pkg / "__init__.py").write_text(PLUGIN)
     dist = tmp_path / "thirdparty_envs-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-envs\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[relax_gym.envs]\nhello = thirdparty_envs:register\n")
+    (dist / "entry_points.txt").write_text(f"[relax_gym.envs]\n{entry_points}\n")
+    return {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+
+
+def test_third_party_entry_point_registers_envs(tmp_path):
+    env = _plugin_dist(tmp_path, "hello = thirdparty_envs:register")
     code = (
         "import relax_gym, gymnasium; print('thirdparty/Hello-v0' in relax_gym.list_envs()); "
         "print(gymnasium.make('thirdparty/Hello-v0').unwrapped.__class__.__name__)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "Hello"]
+    assert out.stdout.split() == ["True", "Hello", "was", "constructed", "Hello"]
+    assert "registered no env" not in out.stderr
+
+
+def test_entry_points_that_register_nothing_are_named_in_a_warning(tmp_path):
+    env = _plugin_dist(tmp_path, "byclass = thirdparty_envs:Hello\nidle = thirdparty_envs:register_nothing")
+    out = subprocess.run([sys.executable, "-m", "relax_gym.cli", "envs", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Hello was constructed" not in out.stdout  # a class is not called as if it were a register function
+    warned = out.stderr.splitlines()
+    byclass = [w for w in warned if "`byclass = thirdparty_envs:Hello`" in w]
+    assert len(byclass) == 1 and "thirdparty-envs" in byclass[0] and "registered no env" in byclass[0]
+    assert "names the class Hello, not a register function, so relax_gym did not call it" in byclass[0]
+    idle = [w for w in warned if "`idle = thirdparty_envs:register_nothing`" in w]
+    assert len(idle) == 1 and "did not call relax_gym.register" in idle[0]
+    assert {r["id"] for r in json.loads(out.stdout)} == set(BUNDLED)
 
 
 def test_describe_reports_modalities_and_tools_without_building():
     info = relax_gym.describe("relax/DeepEyes-v0")
     assert set(info["modalities"]) == {"text", "image"}
     assert {"image_zoom_in", "image_rotate"} <= set(info["tools"])
+
+
+# --- env targets: what `check`, `rollout --env` and `train`'s envs[].id accept ----------------------------------------
+def _env_file(path, *ids: str) -> str:
+    """A file defining an env class per id and registering each."""
+    lines = ["import relax_gym", "from relax_gym.messages import user", ""]
+    for n, env_id in enumerate(ids):
+        lines += [
+            f"class Env{n}(relax_gym.Env):",
+            "    def reset(self, *, seed=None, options=None):",
+            "        super().reset(seed=seed)",
+            "        return [user('hi')], {}",
+            "    def step(self, action):",
+            "        return [], 0.0, True, False, {}",
+            f"relax_gym.register({env_id!r}, Env{n})",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_resolve_env_id_takes_ids_files_and_modules(tmp_path, monkeypatch):
+    assert resolve_env_id("relax/Math-v0") == "relax/Math-v0"
+    one = _env_file(tmp_path / "one_env.py", "files/One-v0")
+    assert resolve_env_id(one) == "files/One-v0"
+    assert resolve_env_id(one) == "files/One-v0"  # imported once; the second call still knows its id
+    assert resolve_env_id(f"{one}:Env0") == "files/One-v0"  # the class registered under exactly one id
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _env_file(tmp_path / "module_envs.py", "modules/Mod-v0")
+    assert resolve_env_id("module_envs") == "modules/Mod-v0"
+    assert resolve_env_id("module_envs:modules/Mod-v0") == "modules/Mod-v0"
+
+
+def test_resolve_env_id_file_with_several_ids_asks_for_one(tmp_path):
+    two = _env_file(tmp_path / "two_envs.py", "files/A-v0", "files/B-v0")
+    with pytest.raises(EnvTargetError, match=r"registers 2 envs \(files/A-v0, files/B-v0\): name one as .*:ID"):
+        resolve_env_id(two)
+    assert resolve_env_id(f"{two}:files/B-v0") == "files/B-v0"
+    assert [name for name, _ in resolve(two)] == ["files/A-v0", "files/B-v0"]  # check takes them all
+    assert [name for name, _ in resolve(two)] == ["files/A-v0", "files/B-v0"]  # and again: same import, same ids
+
+
+@pytest.mark.parametrize(
+    ("content", "target", "error", "needle"),
+    [
+        (None, "{dir}/missing.py", EnvTargetError, "no such file: .*missing.py"),
+        ("x = 1\n", "{file}", EnvTargetError, "registered no env: call relax_gym.register"),
+        ("x = 1\ny = 1 / 0\n", "{file}", EnvTargetError, r"importing .* failed: ZeroDivisionError: .*\(at \w+\.py:2\)"),
+        ("x = 1\n", "{file}:Nope", EnvTargetError, "'Nope' is neither a registered id nor defined in"),
+        (None, "no_such_module_xyz:Env", EnvTargetError, "no module named 'no_such_module_xyz'"),
+        (None, "relax/Maths-v0", UnknownEnvError, "Did you mean 'relax/Math-v0'"),
+    ],
+)
+def test_resolve_env_id_errors_name_the_cause(tmp_path, content, target, error, needle):
+    path = tmp_path / f"target_{abs(hash(target)) % 10**6}.py"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(error, match=needle):
+        resolve_env_id(target.format(dir=tmp_path, file=path))
+
+
+def test_a_file_named_like_a_stdlib_module_does_not_shadow_it(tmp_path):
+    path = _env_file(tmp_path / "json.py", "files/Json-v0")
+    assert resolve_env_id(path) == "files/Json-v0"
+    assert sys.modules["json"] is json and json.dumps([1]) == "[1]"
