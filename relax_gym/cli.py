@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console()
@@ -29,40 +30,73 @@ def cmd_envs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    cells = [(r["id"], "", "", "", r["error"]) if "error" in r else (
+        r["id"], ", ".join(r["modalities"]), ", ".join(r["tools"]), "yes" if r["sandbox"] else "", r["description"]
+    ) for r in rows]
+    # Every cell is escaped: descriptions say things like "[low, high]", which rich would take for markup.
     table = Table(title="relax_gym environments")
-    for col in ("id", "modalities", "tools", "sandbox", "description"):
-        table.add_column(col)
-    for r in rows:
+    table.add_column("id", no_wrap=True, overflow="fold")  # an id is copied into commands: never cut it
+    for col in ("modalities", "tools", "sandbox", "description"):
+        table.add_column(col, overflow="fold")
+    for c, r in zip(cells, rows, strict=True):
+        table.add_row(*map(escape, c[:4]), f"[red]{escape(c[4])}[/red]" if "error" in r else escape(c[4]))
+    if console.measure(table, options=console.options.update_width(10**6)).maximum <= console.width:
+        console.print(table)
+        return 0
+    # Too narrow for the table unwrapped (80 columns when piped): one block per env, ids whole on their own line.
+    console.print("relax_gym environments", style="bold")
+    for (env_id, mods, tools, sandbox, description), r in zip(cells, rows, strict=True):
+        console.print(escape(env_id), style="bold", soft_wrap=True, highlight=False)
         if "error" in r:
-            table.add_row(r["id"], "", "", "", f"[red]{r['error']}[/red]")
-        else:
-            table.add_row(r["id"], ", ".join(r["modalities"]), ", ".join(r["tools"]), "yes" if r["sandbox"] else "",
-                          r["description"])
-    console.print(table)
+            console.print(f"    [red]{escape(description)}[/red]", highlight=False)
+            continue
+        facts = [mods, f"tools: {tools}" if tools else "no tools", "sandbox" if sandbox else ""]
+        console.print(escape(f"    {' | '.join(f for f in facts if f)}"), highlight=False)
+        if description:
+            console.print(escape(f"    {description}"), highlight=False)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from relax_gym.conformance import resolve, run_checks
+    from relax_gym.conformance import FAILED, NOT_EXERCISED, resolve, run_checks
+    from relax_gym.registration import EnvArgumentError, UnknownEnvError
 
+    env_kwargs: dict[str, object] = {}
+    for pair in args.env_arg:  # one at a time, so an error names the pair
+        try:
+            env_kwargs |= _key_values([pair])
+        except Exception as err:  # a StartupError naming the pair
+            console.print(f"[red]bad --env-arg {escape(repr(pair))}: {escape(' '.join(str(err).split()))}[/red]",
+                          highlight=False, soft_wrap=True)
+            return 2
     reports = []
     for target in args.targets:
         try:
-            resolved = resolve(target)
+            resolved = resolve(target, env_kwargs)
+        except (UnknownEnvError, EnvArgumentError) as err:  # their messages name the target and the fix
+            console.print(f"[red]cannot check {escape(target)}: {escape(str(err))}[/red]", highlight=False,
+                          soft_wrap=True)
+            return 2
         except Exception as err:
-            console.print(f"[red]cannot load {target}: {type(err).__name__}: {err}[/red]")
+            console.print(f"[red]cannot load {escape(target)}: {type(err).__name__}: {escape(str(err))}[/red]",
+                          highlight=False, soft_wrap=True)
             return 2
         reports += [run_checks(name, factory) for name, factory in resolved]
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
+        marks = {FAILED: "✗", NOT_EXERCISED: "[yellow]?[/yellow]"}
         for report in reports:
             mark = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
-            console.print(f"{mark} {report.target}")
+            idle = f" [yellow]({len(report.not_exercised)} not exercised)[/yellow]" if report.not_exercised else ""
+            console.print(f"{mark} {escape(report.target)}{idle}", highlight=False)
             for r in report.results:
-                console.print(f"  {'✓' if r.passed else '✗'} {r.name}: {r.detail}", highlight=False)
+                detail = escape(r.detail)
+                if r.status == NOT_EXERCISED:  # not a failure, but a check that proved nothing must be seen
+                    detail = f"[yellow]not exercised[/yellow]: {detail}"
+                console.print(f"  {marks.get(r.status, '✓')} {escape(r.name)}: {detail}", highlight=False)
             for w in report.warnings:
-                console.print(f"  [yellow]warning[/yellow]: {w}", highlight=False)
+                console.print(f"  [yellow]warning[/yellow]: {escape(w)}", highlight=False)
     return 0 if all(r.passed for r in reports) else 1
 
 
@@ -70,12 +104,17 @@ def _key_values(pairs: Sequence[str]) -> dict[str, object]:
     """`k=v` pairs with YAML-typed values (`digits=2` is an int, `x=[1,2]` a list)."""
     import yaml
 
+    from relax_gym.errors import StartupError
+
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"expected key=value, got {pair!r}")
-        out[key] = yaml.safe_load(value)
+            raise StartupError(f"expected key=value, got {pair!r}")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise StartupError(f"{pair!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     return out
 
 
@@ -100,6 +139,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         for label in ("failures", "truncations"):
             if s[label]:
                 console.print(f"  {label}: {s[label]}", highlight=False)
+        if s["truncations"].get("max_new_tokens"):
+            console.print(f"  [yellow]{s['truncations']['max_new_tokens']} episodes hit --max-new-tokens before "
+                          "ending their turn, so they were not graded (reward 0)[/yellow]")
         if s["rerender_mismatches"]:
             console.print(f"  [yellow]{s['rerender_mismatches']} trajectories differ from a full re-render "
                           "(see metrics.rerender_first_diff_char)[/yellow]")
@@ -143,17 +185,15 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from relax_gym.trainer.config import ConfigError, load_config
+    from relax_gym.trainer.config import load_config
     from relax_gym.trainer.loop import train
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        console.print(f"[red]{err}[/red]", highlight=False)
-        return 2
-    summary = train(cfg)
+    summary = train(load_config(args.config, args.overrides))
     if "rank" in summary:  # a follower rank under torchrun: rank 0 reports
         return 0
+    if summary.get("eval_failures"):
+        console.print(f"[yellow]{summary['eval_failures']} evals failed: see the eval rows with an 'error' in "
+                      f"{summary['run_dir']}/metrics.jsonl[/yellow]", highlight=False)
     console.print(
         f"run folder {summary['run_dir']}: {summary['steps']} steps, reward {summary['reward_first_tenth']:.3f}"
         f" (first tenth) -> {summary['reward_last_tenth']:.3f} (last tenth); plot {summary['plot']}",
@@ -181,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("targets", nargs="+", metavar="ID_OR_MODULE:CLASS",
                    help="a registered id, module:Class, file.py:Class, or file.py (checks the ids it registers)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="env kwarg passed to every target's constructor (repeatable; YAML-typed: digits=2 is an int)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("rollout", help="run episodes and write trajectories as JSONL")
@@ -223,10 +265,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user's input can cause (a config key, an env, a data file, a model): one line, exit 2."""
+    from relax_gym.envs.datasets import DatasetError
+    from relax_gym.errors import StartupError
+    from relax_gym.registration import EnvArgumentError, UnknownEnvError
+
+    return StartupError, UnknownEnvError, EnvArgumentError, DatasetError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs a subcommand; a user error is one line and exit 2, a run that stopped one line and exit 1."""
+    from relax_gym.errors import RunStopped
+
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    try:
+        return func(args)
+    except RunStopped as err:
+        console.print(f"[red]run stopped: {escape(str(err))}[/red]", highlight=False, soft_wrap=True)
+        return 1
+    except _user_errors() as err:
+        console.print(f"[red]error: {escape(str(err))}[/red]", highlight=False, soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -111,3 +111,44 @@ def test_closing_the_bus_ends_a_waiting_consumer():
             await waiter
 
     asyncio.run(run())
+
+
+def test_restored_counters_admit_what_the_uninterrupted_bus_would():
+    async def run() -> tuple[int, int]:
+        bus = DataBus(groups_per_step=2, max_staleness=1)
+        admitted = 0
+        while admitted < 4:  # (0 + 1 + 1) * 2 groups may start at version 0
+            assert await bus.admit()
+            admitted += 1
+        for task in range(2):
+            await bus.put([trajectory([0], task)])
+        assert len(await bus.take()) == 2
+        state = bus.state()
+        # a new process resumes at version 1 with the 2 started-but-untrained groups to play again
+        resumed = DataBus(groups_per_step=2, max_staleness=1)
+        resumed.restore(state, version=1, unfinished=2)
+        starts = 0
+        while resumed._may_start():
+            assert await resumed.admit()
+            starts += 1
+        bus.version = 1
+        fresh = 0
+        while bus._may_start():
+            assert await bus.admit()
+            fresh += 1
+        return starts, fresh
+
+    starts, fresh = asyncio.run(run())
+    assert starts == fresh + 2  # the same new admissions, plus the two lost in flight
+
+
+def test_a_failed_producer_ends_take_with_its_error():
+    async def run() -> None:
+        bus = DataBus(groups_per_step=2, max_staleness=0)
+        await bus.put([trajectory([0], 0)])
+        await bus.fail(RuntimeError("env broke"))
+        assert not await bus.admit()
+        with pytest.raises(RuntimeError, match="env broke"):
+            await bus.take()
+
+    asyncio.run(run())

@@ -1,13 +1,61 @@
-"""Checkpoint folders `step_N/` and a `latest` pointer written last, so a crash mid-save never wins."""
+"""Crash-safe checkpoint folders `step_N/`, verified on load, with a fall back to the previous good one.
+
+A checkpoint is written into `.step_N.partial/`, gets a manifest of every
+file's size and SHA-256, and is renamed into place; the `latest` pointer is
+replaced last. A crash mid-save therefore never wins, and a folder damaged
+afterwards (a truncated file, a lost folder, a garbage pointer) fails its
+manifest check and is skipped, with a warning, for the newest one that passes.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from relax_gym.errors import StartupError
 from relax_gym.trainer.backends.base import TrainBackend
+
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Records every file under `folder` (size and SHA-256), so damage after the save is detectable."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """Why `folder` is not the checkpoint its manifest describes, or None when every file matches."""
+    if not folder.is_dir():
+        return "the folder is missing"
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"no readable {MANIFEST} ({type(err).__name__})"
+    for name, want in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _digest(path) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 class CheckpointManager:
@@ -15,16 +63,40 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
 
-    def latest_step(self) -> int:
+    def folder(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def steps(self) -> list[int]:
+        """Steps that have a checkpoint folder, oldest first (whether or not they verify)."""
+        found = []
+        for p in self.root.glob("step_*"):
+            suffix = p.name.removeprefix("step_")
+            if p.is_dir() and suffix.isdigit():
+                found.append(int(suffix))
+        return sorted(found)
+
+    def _pointer(self) -> int | None:
         pointer = self.root / "latest"
-        return int(pointer.read_text().strip()) if pointer.is_file() else 0
+        if not pointer.is_file():
+            return None
+        text = pointer.read_text(errors="replace").strip()
+        if not text.isdigit():
+            log.warning("%s holds %r, not a step number: ignoring it", pointer, text[:40])
+            return None
+        return int(text)
+
+    def latest_step(self) -> int:
+        """The newest step saved (the pointer, else the newest folder); 0 when there is none."""
+        pointer = self._pointer()
+        return pointer if pointer is not None else max(self.steps(), default=0)
 
     def save(self, backend: TrainBackend, step: int, extra: dict[str, Any]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"step_{step}"
+        final = self.folder(step)
         partial = self.root / f".step_{step}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         backend.save_checkpoint(partial, extra)
+        write_manifest(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         tmp = self.root / ".latest.tmp"
@@ -33,13 +105,30 @@ class CheckpointManager:
         self._prune()
         return final
 
-    def load_latest(self, backend: TrainBackend) -> dict[str, Any] | None:
-        step = self.latest_step()
-        if step == 0:
-            return None
-        return backend.load_checkpoint(self.root / f"step_{step}")
+    def load_latest(self, backend: TrainBackend) -> tuple[int, dict[str, Any]] | None:
+        """Loads the newest checkpoint that verifies: (its step, its `extra`); None when there is none at all.
+
+        Damaged ones are skipped with a warning; if checkpoints exist but none is
+        usable, that is an error: starting afresh would silently discard the run.
+        """
+        pointer = self._pointer()
+        candidates = sorted({*self.steps(), *([pointer] if pointer else [])}, reverse=True)
+        problems = []
+        for step in candidates:
+            folder = self.folder(step)
+            problem = manifest_problem(folder)
+            if problem is None:
+                try:
+                    return step, backend.load_checkpoint(folder)
+                except Exception as err:  # verified files that still cannot be read: the next older one may
+                    problem = f"loading failed: {type(err).__name__}: {str(err)[:200]}"
+            problems.append(f"step_{step}: {problem}")
+            log.warning("checkpoint %s is damaged (%s); trying the previous one", folder, problem)
+        if problems:
+            raise StartupError(f"no usable checkpoint in {self.root} ({'; '.join(problems)}); move that folder "
+                               "away to start the run afresh")
+        return None
 
     def _prune(self) -> None:
-        steps = sorted(int(p.name.split("_")[1]) for p in self.root.glob("step_*") if p.is_dir())
-        for old in steps[: -self.keep]:
-            shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(self.folder(old), ignore_errors=True)

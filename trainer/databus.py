@@ -9,6 +9,10 @@ after finishing, or filtered, e.g. all-equal rewards) free their slot so the
 trainer can never starve. A hard filter at consumption drops and counts any
 group that exceeds k. k = 0 admits exactly one step's groups at a time: the
 synchronous schedule.
+
+Its counters are part of a checkpoint (`state` / `restore`), so a resumed run
+admits exactly what the uninterrupted one would have; a producer failure
+(`fail`) closes the bus and the trainer's next `take` raises it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from relax_gym.trajectory import Trajectory
 
@@ -30,12 +35,15 @@ def group_staleness(group: Group, version: int) -> int:
 
 class DataBus:
     def __init__(self, groups_per_step: int, max_staleness: int,
-                 keep: Callable[[Group], bool] | None = None):
+                 keep: Callable[[Group], bool] | None = None,
+                 on_discard: Callable[[Group], None] | None = None):
         if groups_per_step < 1 or max_staleness < 0:
             raise ValueError("groups_per_step must be >= 1 and max_staleness >= 0")
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.keep = keep or (lambda group: True)
+        #: told of every group consumed without being trained (too stale, or not kept)
+        self.on_discard = on_discard or (lambda group: None)
         self.version = 0
         self.started = 0
         self.discarded = 0
@@ -45,6 +53,23 @@ class DataBus:
         self._ready: list[Group] = []
         self._changed = asyncio.Condition()
         self.closed = False
+        self.error: BaseException | None = None
+
+    # --- checkpointing ----------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Run totals and admission counters, for a checkpoint."""
+        return {"started": self.started, "discarded": self.discarded, "dropped_stale": self.dropped_stale,
+                "filtered": self.filtered, "staleness_histogram": dict(self.staleness_histogram)}
+
+    def restore(self, state: dict[str, Any], version: int, unfinished: int) -> None:
+        """Continues from `state` at `version`; `unfinished` groups were started but lost with the old process
+        and will be admitted again, so they give their slots back."""
+        self.version = version
+        self.started = int(state["started"]) - unfinished
+        self.discarded = int(state["discarded"])
+        self.dropped_stale = int(state["dropped_stale"])
+        self.filtered = int(state["filtered"])
+        self.staleness_histogram = Counter({int(k): int(v) for k, v in state["staleness_histogram"].items()})
 
     # --- producer side ----------------------------------------------------------------
     def _may_start(self) -> bool:
@@ -78,22 +103,27 @@ class DataBus:
             async with self._changed:
                 await self._changed.wait_for(lambda: self.closed or self._ready)
                 if not self._ready:
+                    if self.error is not None:
+                        raise self.error
                     raise EOFError("the data bus closed before a full step's groups arrived")
                 group = self._ready.pop(0)
                 staleness = group_staleness(group, self.version)
                 if staleness > self.max_staleness:
                     self.dropped_stale += 1
-                    self.discarded += 1
-                    self._changed.notify_all()
+                    self._discard(group)
                     continue
                 if not self.keep(group):
                     self.filtered += 1
-                    self.discarded += 1
-                    self._changed.notify_all()
+                    self._discard(group)
                     continue
             self.staleness_histogram[staleness] += 1
             batch.append(group)
         return batch
+
+    def _discard(self, group: Group) -> None:
+        self.discarded += 1
+        self.on_discard(group)
+        self._changed.notify_all()
 
     async def advance(self, version: int) -> None:
         """The trainer finished a step: new groups may start under the new version."""
@@ -103,5 +133,12 @@ class DataBus:
 
     async def close(self) -> None:
         async with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    async def fail(self, error: BaseException) -> None:
+        """The producer cannot go on: the bus closes, and `take` raises `error` once the ready groups run out."""
+        async with self._changed:
+            self.error = self.error or error
             self.closed = True
             self._changed.notify_all()

@@ -7,23 +7,38 @@ repeat); `mode: async` lets rollouts run ahead of the trainer by at most
 are seeded per (task, group member, turn) and each step trains on its groups
 sorted by task seed, so with `max_staleness: 0` the async run reproduces the
 sync run's batches, and its losses, exactly.
+
+A run fails loud and loses nothing: everything it was given is checked before
+it starts (`relax_gym.rollout.startup`); a task ledger saves the tasks started
+but not yet trained with each checkpoint, and a resumed run issues them first
+with the data bus's counters restored, so an interrupted run trains the same
+tasks as an uninterrupted one; a run that cannot learn (no trainable sample for
+`max_steps_without_samples` steps, every episode failing the same way, an
+engine that stays away) stops with `RunStopped` after checkpointing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import shutil
 import time
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relax_gym.engines.base import SamplingParams
+from relax_gym.engines.base import EngineError, EngineUnavailableError, SamplingParams
+from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
+from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
+from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
+from relax_gym.rollout.metrics import _kind, status_breakdown
 from relax_gym.rollout.run import make_engine
+from relax_gym.rollout.startup import EnvUse, check_run
 from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
 from relax_gym.trainer.backends.base import Sample, TrainBackend
 from relax_gym.trainer.checkpoint import CheckpointManager
@@ -64,20 +79,59 @@ def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
     ]
 
 
+def make_run_dir(path: Path) -> Path | None:
+    """Creates `path` (checking it is writable); returns the topmost folder it created, to remove if the run
+    cannot start, or None when `path` was there already."""
+    top = next((p for p in [*reversed(path.parents), path] if not p.exists()), None)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        if top is not None and top.is_dir():
+            shutil.rmtree(top, ignore_errors=True)
+        raise StartupError(f"run_dir {path}: cannot write there ({err.strerror or type(err).__name__})") from None
+    return top
+
+
 class Trainer:
+    """A run: builds and checks everything in `__init__` (nothing is left behind if that fails), trains in `run`."""
+
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(_yaml(cfg))
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
+        if cfg.trainer.resume == "never" and self.checkpoints.steps():
+            raise StartupError(f"run_dir {self.run_dir} holds a run (checkpoint step {self.checkpoints.latest_step()})"
+                               " and trainer.resume=never: choose another run_dir, or trainer.resume=auto")
+        self._created = make_run_dir(self.run_dir)
+        try:
+            self._build()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Removes what a run that could not start created."""
+        if self._created is not None:
+            shutil.rmtree(self._created, ignore_errors=True)
+
+    def _build(self) -> None:
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
+        #: envs[i].id as given may be a file.py or module: the registered ids they name
+        self.env_ids = [resolve_env_id(e.id) for e in cfg.envs]
         self.loaded = load_model(cfg.model)
-        self.engine = make_engine(self.loaded, cfg.rollout.engine_url if cfg.rollout.engine == "sglang" else None,
-                                  max_batch_size=cfg.rollout.engine_max_batch_size, seed=cfg.seed)
+        r = cfg.rollout
+        check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
+                  seed=self.task_seed(0))
+        self.engine = make_engine(self.loaded, r.engine_url if r.engine == "sglang" else None,
+                                  outage_timeout_s=r.engine_outage_timeout_s,
+                                  max_batch_size=r.engine_max_batch_size, seed=cfg.seed)
         self.backend = make_backend(cfg, self.loaded)
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)
-        r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                        max_new_tokens=r.max_new_tokens)
         self.manager = RolloutManager(
@@ -90,11 +144,30 @@ class Trainer:
         self.loss_fn = make_loss_fn(self.algo)
         self.ref = self._frozen(cfg.model) if self.algo.kl_coef > 0 else None
         self.teacher = self._frozen(cfg.algorithm.teacher) if cfg.algorithm.teacher else None
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
+        (self.run_dir / "config.yaml").write_text(_yaml(cfg))
         self.log = RunLog(self.run_dir, total_steps=cfg.trainer.total_steps)
         self.step = 0
         self.next_task = 0
+        #: the task ledger: tasks started and not yet trained or discarded, in start order (saved with each
+        #: checkpoint), and those a resumed run must start again before any new one
+        self.unfinished: dict[int, None] = {}
+        self.reissue: deque[int] = deque()
+        self.bus: DataBus | None = None
+        self._bus_state: dict[str, Any] | None = None
+        self.filtered = 0  # sync mode's run total (async keeps it on the bus)
+        self.steps_without_samples = 0
+        self.resumed_from: int | None = None
+        self.eval_failures = 0
         self._eval_tasks: set[asyncio.Task] = set()
+
+    def _env_uses(self) -> list[EnvUse]:
+        """Every (id, kwargs) the run will build: each env's training kwargs, and its eval kwargs if evals run."""
+        pairs = list(enumerate(zip(self.env_ids, self.cfg.envs, strict=True)))
+        uses = [EnvUse(i, e.kwargs, f"envs[{n}]") for n, (i, e) in pairs]
+        if self.cfg.trainer.eval_every:
+            uses += [EnvUse(i, {**e.kwargs, **e.eval_kwargs}, f"envs[{n}] (eval)") for n, (i, e) in pairs
+                     if e.eval_kwargs]
+        return uses
 
     def _frozen(self, model: str) -> TrainBackend:
         from relax_gym.trainer.backends.torch_backend import TorchBackend
@@ -103,11 +176,30 @@ class Trainer:
 
     # --- tasks ------------------------------------------------------------------------
     def env_for(self, task: int) -> tuple[str, dict[str, Any]]:
-        env = self.cfg.envs[task % len(self.cfg.envs)]
-        return env.id, env.kwargs
+        n = task % len(self.cfg.envs)
+        return self.env_ids[n], self.cfg.envs[n].kwargs
 
     def task_seed(self, task: int) -> int:
         return self.cfg.seed * 1_000_003 + task
+
+    def task_of(self, group: Group) -> int:
+        """The task a group played (the inverse of `task_seed`)."""
+        return int(group[0].seed) - self.cfg.seed * 1_000_003
+
+    def _start_task(self) -> int:
+        """The next task to play: one a resumed run lost in flight, else a new one; it enters the ledger."""
+        if self.reissue:
+            task = self.reissue.popleft()
+        else:
+            task = self.next_task
+            self.next_task += 1
+        self.unfinished[task] = None
+        return task
+
+    def _finish_tasks(self, groups: list[Group]) -> None:
+        """These groups were trained on or discarded: a resumed run must not play them again."""
+        for group in groups:
+            self.unfinished.pop(self.task_of(group), None)
 
     async def run_task(self, task: int) -> Group:
         env_id, kwargs = self.env_for(task)
@@ -116,11 +208,16 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        """Trains to `total_steps`; Ctrl-C (or cancellation) finishes the running step, checkpoints and plots."""
-        await self._resume()
-        settle_heap()
+        """Trains to `total_steps`; Ctrl-C (or cancellation) finishes the running step, checkpoints and plots.
+
+        Raises `RunStopped` when the run cannot go on (after checkpointing and
+        plotting), `StartupError` when its engine cannot be reached at all.
+        """
+        await self._connect()
         interrupted = False
         try:
+            await self._resume()
+            settle_heap()
             if self.cfg.trainer.mode == "sync":
                 await self._run_sync()
             else:
@@ -134,39 +231,67 @@ class Trainer:
             if self.step > self.checkpoints.latest_step():
                 self._checkpoint()
             self.log.close(plot=True)
-            await self.manager.close()
-            await self.engine.close()
-            if isinstance(self.backend, DrivingBackend):
-                self.backend.stop()
+            await self._close_engine()
         summary = self.log.summary()
-        summary["interrupted"] = interrupted
+        summary.update(interrupted=interrupted, resumed_from=self.resumed_from, eval_failures=self.eval_failures)
         return summary
+
+    async def _connect(self) -> None:
+        """An engine server is waited for and resumed (a killed run may have left it paused) before anything."""
+        connect = getattr(self.engine, "connect", None)
+        if connect is None:
+            return
+        try:
+            await connect()
+        except EngineError as err:
+            self.log.close(plot=False)
+            await self._close_engine()
+            self._abandon()
+            raise StartupError(f"rollout.engine_url {self.cfg.rollout.engine_url}: {err}") from None
+
+    async def _close_engine(self) -> None:
+        await self.manager.close()
+        await self.engine.close()
+        if isinstance(self.backend, DrivingBackend):
+            self.backend.stop()
 
     def _keep(self, group: Group) -> bool:
         if not self.algo.filter_uniform_groups:
             return True
         return bool(filter_uniform_groups(torch.tensor([t.reward for t in group]), [0] * len(group)).all())
 
+    def _check_engine(self, group: Group) -> None:
+        """An engine that stayed away past its outage timeout ends the run (its tasks stay in the ledger)."""
+        for t in group:
+            if t.status == "aborted" and t.status_reason.startswith(ENGINE_UNAVAILABLE):
+                raise RunStopped(f"the engine stayed unreachable, so the run stopped at step {self.step} "
+                                 f"(checkpointed): {t.status_reason}. Restart the server and rerun to resume.")
+
     async def _run_sync(self) -> None:
         """The colocated schedule: generate one step's groups, train on them, push weights, repeat."""
-        filtered = 0
         while self.step < self.cfg.trainer.total_steps:
             t0 = time.perf_counter()
             groups: list[Group] = []
             while len(groups) < self.cfg.rollout.groups_per_step:  # refill what the filter drops
-                tasks = range(self.next_task, self.next_task + self.cfg.rollout.groups_per_step - len(groups))
-                self.next_task = tasks.stop
+                tasks = [self._start_task() for _ in range(self.cfg.rollout.groups_per_step - len(groups))]
                 for group in await asyncio.gather(*(self.run_task(t) for t in tasks)):
+                    self._check_engine(group)
                     if self._keep(group):
                         groups.append(group)
                     else:
-                        filtered += 1
-            await _finish_step(self._train_on(groups, time.perf_counter() - t0, {"filtered_total": filtered}))
+                        self.filtered += 1
+                        self._finish_tasks([group])
+            await _finish_step(self._train_on(groups, time.perf_counter() - t0, {"filtered_total": self.filtered}))
 
     async def _run_async(self) -> None:
         """Rollouts run ahead of training by at most `max_staleness` versions (see DataBus)."""
-        bus = DataBus(self.cfg.rollout.groups_per_step, self.cfg.trainer.max_staleness, keep=self._keep)
-        bus.version = self.step
+        bus = DataBus(self.cfg.rollout.groups_per_step, self.cfg.trainer.max_staleness, keep=self._keep,
+                      on_discard=lambda group: self._finish_tasks([group]))
+        if self._bus_state is not None:
+            bus.restore(self._bus_state, self.step, unfinished=len(self.reissue))
+        else:
+            bus.version = self.step
+        self.bus = bus
         producer = asyncio.create_task(self._produce(bus))
         try:
             while self.step < self.cfg.trainer.total_steps:
@@ -182,22 +307,22 @@ class Trainer:
             await asyncio.gather(producer, return_exceptions=True)
 
     async def _produce(self, bus: DataBus) -> None:
-        """Starts groups as admission allows; each goes to the bus when done."""
+        """Starts groups as admission allows; each goes to the bus when done. A group that raises (a bug) or
+        finds the engine gone fails the bus, which ends the run with that error: nothing retries it."""
         pending: set[asyncio.Task] = set()
 
         async def one(task: int) -> None:
             try:
                 group = await self.run_task(task)
-            except Exception:
-                await bus.cancel_started()
-                raise
+                self._check_engine(group)
+            except Exception as err:
+                await bus.fail(err)
+                return
             await bus.put(group)
 
         try:
             while await bus.admit():
-                task = self.next_task
-                self.next_task += 1
-                job = asyncio.create_task(one(task))
+                job = asyncio.create_task(one(self._start_task()))
                 pending.add(job)
                 job.add_done_callback(pending.discard)
         finally:
@@ -208,6 +333,10 @@ class Trainer:
     async def _train_on(self, groups: list[Group], waited: float, counters: dict[str, Any]) -> None:
         cfg = self.cfg
         groups = sorted(groups, key=lambda g: g[0].seed if g and g[0].seed is not None else 0)
+        trajs = [t for g in groups for t in g]
+        if trajs and all(t.status == "aborted" for t in trajs):
+            raise RunStopped(f"every episode of step {self.step + 1} was aborted, so it was not trained "
+                             f"(its tasks are kept for a resume): {status_breakdown(trajs)}")
         samples = [s for g in groups for s in group_to_samples(g, self.algo.std_normalize)]
         timings = {"wait_rollout_s": waited}
         t0 = time.perf_counter()
@@ -231,62 +360,107 @@ class Trainer:
             self.backend.version += 1  # nothing trainable this step: the policy version still advances
         timings["train_s"] = time.perf_counter() - t0
         self.step = self.backend.version
+        self._finish_tasks(groups)
         t0 = time.perf_counter()
-        await self._push_weights()
-        timings["weight_sync_s"] = time.perf_counter() - t0
-        self.log.step(self.step, groups, samples, train_metrics, timings, counters)
+        try:
+            await self._push_weights()
+        finally:  # the step is trained: it is logged even if the push fails, and so before any checkpoint of it
+            timings["weight_sync_s"] = time.perf_counter() - t0
+            self.log.step(self.step, groups, samples, train_metrics, timings, counters)
         if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.total_steps:
             self._checkpoint()
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
             self._start_eval(self.step)
+        self._stop_if_not_learning(trajs, bool(samples))
+
+    def _stop_if_not_learning(self, trajs: list[Any], trained: bool) -> None:
+        """Every episode failing the same way stops the run at once; no trainable sample for
+        `max_steps_without_samples` steps in a row stops it too."""
+        self.steps_without_samples = 0 if trained else self.steps_without_samples + 1
+        if trained or not trajs:
+            return
+        kinds = {_kind(t.status_reason) for t in trajs}
+        if all(t.status == "failed" for t in trajs) and len(kinds) == 1:
+            raise RunStopped(f"every episode of step {self.step} failed the same way, so nothing can be learnt: "
+                             f"{status_breakdown(trajs)}")
+        limit = self.cfg.trainer.max_steps_without_samples
+        if self.steps_without_samples >= limit:
+            raise RunStopped(f"no trainable sample for {limit} steps in a row (trainer.max_steps_without_samples), "
+                             f"so the run cannot learn; the last step's {status_breakdown(trajs)}")
 
     async def _push_weights(self) -> None:
-        await self.engine.pause()
+        """The trained weights to the engine, between its turns; an engine that stays away stops the run."""
         try:
-            if self.cfg.rollout.engine == "sglang":
-                folder = self.run_dir / "weights" / f"v{self.step}"
-                self.loaded.model.load_state_dict(self.backend.hf_state_dict())
-                self.loaded.model.save_pretrained(folder)
-                await self.engine.update_weights(str(folder), self.step)
-            else:
-                await self.engine.update_weights(self.backend.hf_state_dict(), self.step)
-        finally:
+            await self.engine.pause()
+            try:
+                if self.cfg.rollout.engine == "sglang":
+                    folder = self.run_dir / "weights" / f"v{self.step}"
+                    self.loaded.model.load_state_dict(self.backend.hf_state_dict())
+                    self.loaded.model.save_pretrained(folder)
+                    await self.engine.update_weights(str(folder), self.step)
+                else:
+                    await self.engine.update_weights(self.backend.hf_state_dict(), self.step)
+            except (EngineUnavailableError, asyncio.CancelledError):
+                raise  # resuming a server that is gone waits out its outage again; a paused one is resumed at start
+            except BaseException:
+                await self.engine.resume()
+                raise
             await self.engine.resume()
+        except EngineError as err:
+            raise RunStopped(f"pushing the weights of step {self.step} to the engine failed, so the run stopped "
+                             f"(checkpointed): {err}. Restart the server and rerun to resume.") from err
 
     # --- evaluation -------------------------------------------------------------------
     def _start_eval(self, version: int) -> None:
-        job = asyncio.create_task(self.evaluate(version))
+        job = asyncio.create_task(self._eval_logged(version))
         self._eval_tasks.add(job)
         job.add_done_callback(self._eval_tasks.discard)
+
+    async def _eval_logged(self, version: int) -> None:
+        """An eval that raises is logged as such and counted; it does not stop training."""
+        try:
+            await self.evaluate(version)
+        except Exception as err:
+            self.eval_failures += 1
+            self.log.eval_error(version, f"{type(err).__name__}: {err}")
 
     async def evaluate(self, version: int) -> dict[str, float]:
         """Greedy episodes on held-out tasks (eval kwargs, seeds disjoint from training's)."""
         cfg = self.cfg
         manager = RolloutManager(self.engine, self.loaded, sampling=replace(self.sampling, temperature=0.0),
                                  limits=self.manager.limits, max_concurrency=cfg.rollout.concurrency)
-        results: dict[str, list[float]] = {}
+        results: dict[str, list[Any]] = {}
         try:
-            for env in cfg.envs:
+            for env_id, env in zip(self.env_ids, cfg.envs, strict=True):
                 kwargs = {**env.kwargs, **env.eval_kwargs}
-                trajs = await manager.run(env.id, cfg.trainer.eval_tasks, 1, seed=EVAL_SEED_OFFSET,
-                                          env_kwargs=kwargs)
-                results[env.id] = [t.reward for t in trajs]
+                results[env_id] = await manager.run(env_id, cfg.trainer.eval_tasks, 1, seed=EVAL_SEED_OFFSET,
+                                                    env_kwargs=kwargs)
         finally:
             await manager.close()
         return self.log.eval(version, results)
 
     # --- checkpoints ------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        self.checkpoints.save(self.backend, self.step, {"step": self.step, "next_task": self.next_task})
+        self.checkpoints.save(self.backend, self.step, {
+            "step": self.step, "next_task": self.next_task, "unfinished": list(self.unfinished),
+            "bus": self.bus.state() if self.bus is not None else None, "filtered_total": self.filtered,
+        })
 
     async def _resume(self) -> None:
-        """Continues from the latest checkpoint, if any: weights, optimizer, RNG, data position, metrics."""
-        extra = self.checkpoints.load_latest(self.backend)
-        if extra is None:
+        """Continues from the newest good checkpoint, if any: weights, optimizer, RNG, the task ledger, the data
+        bus's counters, metrics; says so."""
+        found = self.checkpoints.load_latest(self.backend)
+        if found is None:
             return
-        self.step = int(extra["step"])
+        step, extra = found
+        self.step = self.resumed_from = step
         self.next_task = int(extra["next_task"])
-        self.log.truncate_after(self.step)
+        self.reissue = deque(int(t) for t in extra.get("unfinished", ()))
+        self._bus_state = extra.get("bus")
+        self.filtered = int(extra.get("filtered_total", 0))
+        self.log.truncate_after(step)
+        self.log.note(f"resuming {self.run_dir} from step {step} ({self.checkpoints.folder(step)}); "
+                      f"{len(self.reissue)} unfinished tasks are played first")
         await self._push_weights()  # the engine was built from the initial weights
 
 

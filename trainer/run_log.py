@@ -2,7 +2,8 @@
 
 Every line is flushed as it is written, so a run that is killed keeps
 everything up to its last step; a resumed run drops the lines after the
-checkpoint it resumes from, so steps are never counted twice.
+checkpoint it resumes from (and TensorBoard purges them), so a step never
+appears twice anywhere.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from relax_gym.rollout.metrics import status_breakdown
+from relax_gym.trajectory import Trajectory
 from relax_gym.trainer.backends.base import Sample
 from relax_gym.trainer.databus import Group, group_staleness
 
@@ -31,6 +34,7 @@ class RunLog:
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
         self._trajs = self.trajectories_path.open("a", encoding="utf-8") if self.trajectories_path else None
         self._tb = _tensorboard(self.run_dir / "tensorboard")
+        self._warned_max_new_tokens = False
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn())
         self._bar = self.progress.add_task("train", total=total_steps, status="")
@@ -66,6 +70,7 @@ class RunLog:
             "episodes": len(trajs),
             "trained_samples": len(samples),
             "status": dict(Counter(t.status for t in trajs)),
+            "truncated_by": dict(Counter(t.status_reason for t in trajs if t.status == "truncated")),
             "generated_tokens_mean": generated / len(trajs) if trajs else 0.0,
             "trained_generated_tokens_mean": fmean(sum(s.loss_mask) for s in samples) if samples else 0.0,
             "trained_seq_len_mean": fmean(len(s.token_ids) for s in samples) if samples else 0.0,
@@ -82,15 +87,37 @@ class RunLog:
                 self._trajs.write(json.dumps({"step": step, **t.to_json()}) + "\n")
             self._trajs.flush()
         self.progress.update(self._bar, completed=step, status=f"reward {record['reward_mean']:.3f}")
+        cut = record["truncated_by"].get("max_new_tokens", 0)
+        if cut * 2 >= len(trajs) > 0 and not self._warned_max_new_tokens:
+            self._warned_max_new_tokens = True
+            self.note(f"[yellow]step {step}: {cut} of {len(trajs)} episodes hit rollout.max_new_tokens before "
+                      "ending their turn, so they were not graded (reward 0); raise it if answers are cut off[/yellow]")
         return record
 
-    def eval(self, version: int, results: dict[str, list[float]]) -> dict[str, float]:
-        scores = {env: fmean(r) for env, r in results.items() if r}
-        record = {"type": "eval", "step": version, "reward_mean": fmean(scores.values()) if scores else 0.0,
-                  "reward_per_env": scores}
+    def note(self, text: str) -> None:
+        """One line for the person watching (above the progress bar)."""
+        self.progress.console.print(text, highlight=False, soft_wrap=True)
+
+    def eval(self, version: int, results: dict[str, list[Trajectory]]) -> dict[str, float]:
+        """One eval row; an env whose every episode failed or aborted is reported, not scored as 0."""
+        scores = {env: fmean(t.reward for t in r) for env, r in results.items() if r}
+        broken = {env: status_breakdown(r) for env, r in results.items()
+                  if r and all(t.status in ("failed", "aborted") for t in r)}
+        record: dict[str, Any] = {"type": "eval", "step": version,
+                                  "reward_mean": fmean(scores.values()) if scores else 0.0, "reward_per_env": scores,
+                                  "status": {env: dict(Counter(t.status for t in r)) for env, r in results.items()}}
+        if broken:
+            record["error"] = "; ".join(f"{env}: {why}" for env, why in broken.items())
         self._write(record)
-        self.progress.console.print(f"eval at step {version}: reward {record['reward_mean']:.3f} {scores}")
+        self.note(f"eval at step {version}: reward {record['reward_mean']:.3f} {scores}")
+        if broken:
+            self.note(f"[red]eval at step {version}: every episode failed: {record['error']}[/red]")
         return scores
+
+    def eval_error(self, version: int, reason: str) -> None:
+        """An eval that raised: logged as such (and so counted), never silently missing."""
+        self._write({"type": "eval", "step": version, "error": reason})
+        self.note(f"[red]eval at step {version} failed: {reason}[/red]")
 
     # --- reading / resuming -------------------------------------------------------------
     def records(self, kind: str = "train") -> list[dict[str, Any]]:
@@ -112,6 +139,9 @@ class RunLog:
             self.trajectories_path.write_text(
                 "".join(x + "\n" for x in lines if x.strip() and json.loads(x)["step"] <= step))
             self._trajs = self.trajectories_path.open("a", encoding="utf-8")
+        if self._tb is not None:  # events after `step` are purged from TensorBoard's view of the run
+            self._tb.close()
+            self._tb = _tensorboard(self.run_dir / "tensorboard", purge_step=step + 1)
         self.progress.update(self._bar, completed=step)
 
     def summary(self) -> dict[str, Any]:
@@ -142,7 +172,7 @@ def plot_rewards(metrics_path: Path, out: Path) -> Path:
 
     rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
     train = [r for r in rows if r["type"] == "train"]
-    evals = [r for r in rows if r["type"] == "eval"]
+    evals = [r for r in rows if r["type"] == "eval" and "reward_mean" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         steps = [r["step"] for r in train]
@@ -174,9 +204,9 @@ def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _tensorboard(path: Path) -> Any:
+def _tensorboard(path: Path, purge_step: int | None = None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is a dependency; this only guards a broken install
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=purge_step)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from relax_gym.core import Env
-from relax_gym.engines.base import Engine, EngineError, GenerateRequest, SamplingParams
+from relax_gym.engines.base import Engine, EngineError, EngineUnavailableError, GenerateRequest, SamplingParams
 from relax_gym.models import LoadedModel
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, TemplateError
@@ -37,6 +37,10 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+#: the start of an aborted episode's reason when its engine stayed unreachable past the client's outage timeout
+ENGINE_UNAVAILABLE = "engine unavailable"
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,12 @@ class RolloutManager:
     async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "", member: int = 0) -> Trajectory:
         self._ensure_threads()
         async with self._slots:
-            env = pool.acquire()
+            try:
+                env = pool.acquire()
+            except Exception as err:  # a bad kwarg or data file: the episode records why, the caller decides
+                episode = _Episode(self, None, pool.env_id, seed, group_id, member)
+                episode.end("failed", f"env make raised {type(err).__name__}: {err}")
+                return episode.trajectory()
             episode = _Episode(self, env, pool.env_id, seed, group_id, member)
             try:
                 await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
@@ -164,7 +173,8 @@ class RolloutManager:
 class _Episode:
     """The state of one running episode; `play` fills it, `trajectory` freezes it."""
 
-    def __init__(self, manager: RolloutManager, env: Env, env_id: str, seed: int, group_id: str, member: int):
+    def __init__(self, manager: RolloutManager, env: Env | None, env_id: str, seed: int, group_id: str,
+                 member: int):
         self.m, self.env, self.env_id, self.seed, self.group_id = manager, env, env_id, seed, group_id
         self.member = member
         self.conv: ConversationTokens | None = None
@@ -192,6 +202,7 @@ class _Episode:
 
     async def play(self) -> None:
         m, env = self.m, self.env
+        assert env is not None
         reset = await self._env_call("reset", env.areset(seed=self.seed))
         if reset is None:
             return
@@ -226,6 +237,9 @@ class _Episode:
             start = time.perf_counter()
             try:
                 out = await m.engine.generate(request)
+            except EngineUnavailableError as err:
+                self.end("aborted", f"{ENGINE_UNAVAILABLE}: {err}")
+                return
             except (EngineError, OSError) as err:
                 self.end("aborted", f"engine: {err}")
                 return

@@ -37,3 +37,16 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
             "rerender_mismatches": sum(1 for x in m if x.get("rerender_match") is False),
         }
     return out
+
+
+def status_breakdown(trajectories: Iterable[Trajectory], examples: int = 3) -> str:
+    """One line for a person: how many episodes ended how, and the commonest reasons with one full example each."""
+    trajs = list(trajectories)
+    statuses = Counter(t.status for t in trajs)
+    reasons = Counter(_kind(t.status_reason) for t in trajs if t.status_reason)
+    first = {}
+    for t in trajs:
+        first.setdefault(_kind(t.status_reason), t.status_reason)
+    parts = [f"{len(trajs)} episodes: " + ", ".join(f"{n} {s}" for s, n in statuses.most_common())]
+    parts += [f"{n}x {first[k][:200]!r}" for k, n in reasons.most_common(examples)]
+    return "; ".join(parts)

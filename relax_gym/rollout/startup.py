@@ -1,0 +1,85 @@
+"""What must hold before a run starts, checked in seconds so that a run which cannot work never starts.
+
+`relax-gym train` and `relax-gym rollout` call `check_run` after loading the
+model and before building anything else: the model has a chat template and an
+end-of-turn token; every configured env (train and eval kwargs) builds, resets
+and renders its first prompt (tool schemas included) through the model's chat
+template, with room left in `max_total_tokens` to generate `max_new_tokens`.
+Each failure is a `StartupError` whose one line names the env, key or file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_gym.errors import StartupError
+from relax_gym.models import LoadedModel
+from relax_gym.registration import make
+from relax_gym.rollout.manager import _eos_ids
+from relax_gym.rollout.tokens import ConversationTokens
+
+
+@dataclass(frozen=True)
+class EnvUse:
+    """One way a run builds an env: its id, kwargs, and where in the config they come from (for messages)."""
+
+    env_id: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    where: str = "env"
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else '(no message)'}"
+
+
+def check_model(loaded: LoadedModel) -> None:
+    """Multi-turn episodes need the model's chat template and a token that ends an assistant turn."""
+    template = getattr(loaded.processor, "chat_template", None) or loaded.tokenizer.chat_template
+    if not template:
+        raise StartupError(f"model {loaded.name}: it has no chat template (chat_template.jinja or "
+                           "tokenizer_config.json's chat_template); add its family's template to the folder")
+    if not _eos_ids(loaded):
+        raise StartupError(f"model {loaded.name}: its tokenizer has no end-of-turn token (eos_token, <|im_end|> "
+                           "or <|endoftext|>), so no generation could end a turn")
+
+
+def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_new_tokens: int,
+              seed: int = 0) -> int:
+    """Builds, resets and renders `use`'s env once; returns its first prompt's length in tokens."""
+    label = f"{use.where} {use.env_id}" + (f" with kwargs {dict(use.kwargs)}" if use.kwargs else "")
+    try:
+        env = make(use.env_id, **use.kwargs)
+    except Exception as err:
+        raise StartupError(f"{label}: cannot be made: {_one_line(err)}") from err
+    try:
+        try:
+            observation, _ = env.reset(seed=seed)
+            messages = env.format_observation(observation)
+        except Exception as err:
+            raise StartupError(f"{label}: reset(seed={seed}) raised {_one_line(err)}") from err
+        try:
+            conv = ConversationTokens.start(loaded, messages, getattr(env, "tool_schemas", None) or None)
+        except Exception as err:
+            raise StartupError(f"{label}: its first prompt does not render through the chat template of "
+                               f"{loaded.name}: {_one_line(err)}") from err
+    finally:
+        env.close()
+    prompt = len(conv.token_ids)
+    if prompt + max_new_tokens > max_total_tokens:
+        raise StartupError(
+            f"{label}: its first prompt is {prompt} tokens (chat template and tool schemas included); with "
+            f"max_new_tokens {max_new_tokens} it needs max_total_tokens >= {prompt + max_new_tokens}, "
+            f"got {max_total_tokens}")
+    return prompt
+
+
+def check_run(loaded: LoadedModel, uses: Iterable[EnvUse], *, max_total_tokens: int, max_new_tokens: int,
+              seed: int = 0) -> dict[str, int]:
+    """`check_model`, then `check_env` for each use; returns each use's first prompt length."""
+    check_model(loaded)
+    return {f"{u.where} {u.env_id}": check_env(loaded, u, max_total_tokens=max_total_tokens,
+                                                max_new_tokens=max_new_tokens, seed=seed)
+            for u in uses}
