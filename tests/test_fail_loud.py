@@ -7,11 +7,14 @@ trained nothing, or lost or repeated tasks across a resume.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from relax_gym.cli import main
@@ -353,3 +356,61 @@ def test_an_unreachable_engine_server_is_one_line_and_leaves_nothing(capsys, tmp
     assert code == 2, out
     assert "127.0.0.1:9" in out and "Traceback" not in out
     assert not (tmp_path / "run").exists()
+
+
+# --- engine outages ------------------------------------------------------------------------------
+def _serve(port: int) -> subprocess.Popen:
+    """`relax-gym serve` in its own process, waited for until /health answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "relax_gym.cli", "serve", "--model", str(WARM_START), "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("relax-gym serve did not come up")
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_resumes_on_a_paused_server(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {WARM_START}\nenvs: [{{id: relax/Arithmetic-v0}}]\n"
+                   f"rollout: {{engine: sglang, engine_url: 'http://127.0.0.1:{port}', engine_outage_timeout_s: 3,\n"
+                   "  group_size: 2, groups_per_step: 2, max_new_tokens: 4, max_turns: 1}\n"
+                   "trainer: {total_steps: 1000, checkpoint_every: 1000, lr: 1.0e-3}\n")
+    server = _serve(port)
+    trainer = subprocess.Popen([sys.executable, "-m", "relax_gym.cli", "train", str(cfg)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and trainer.poll() is None, trainer.stdout.read()
+            time.sleep(0.2)
+        server.kill()
+        server.wait(30)
+        out, _ = trainer.communicate(timeout=120)
+    finally:
+        server.kill()
+        trainer.kill()
+    assert trainer.returncode == 1, out
+    assert "run stopped" in out and f"127.0.0.1:{port}" in out
+    logged = [r["step"] for r in train_rows(tmp_path / "run")]
+    latest = int((tmp_path / "run" / "checkpoints" / "latest").read_text())
+    assert logged == list(range(1, latest + 1))  # every trained step is logged and checkpointed, none lost
+
+    server = _serve(port)  # a fresh server, left paused as a killed trainer would leave it
+    try:
+        httpx.post(f"http://127.0.0.1:{port}/pause_generation", json={"mode": "in_place"}, timeout=10)
+        summary = train(load_config(cfg, [f"trainer.total_steps={latest + 2}"]))
+    finally:
+        server.kill()
+        server.wait(30)
+    assert summary["resumed_from"] == latest
+    assert [r["step"] for r in train_rows(tmp_path / "run")] == list(range(1, latest + 3))
