@@ -25,45 +25,56 @@ from relax_gym.envs.datasets import DatasetError
 AudioSource = str | Path | bytes | bytearray | memoryview | Mapping[str, Any]
 
 
-def load_audio(source: AudioSource, *, base_dir: Path | None = None, name: str = "audio") -> tuple[np.ndarray, int]:
+def load_audio(
+    source: AudioSource, *, base_dir: Path | None = None, name: str | None = None
+) -> tuple[np.ndarray, int]:
     """Decodes `source` to a (1-D float32 waveform in [-1, 1], sampling rate) pair at the file's own rate.
 
-    Relative paths resolve against `base_dir` (the data file's folder); `name`
-    labels in-memory sources in error messages.
+    Relative paths resolve against `base_dir` (the data file's folder). `name`
+    says where the clip sits (data file, record, clip number); errors give it
+    together with the clip's own path, so either can be looked up.
     """
     if isinstance(source, str | Path):
-        return _load_path(Path(source), base_dir)
+        return _load_path(Path(source), base_dir, name)
     if isinstance(source, bytes | bytearray | memoryview):
-        return decode_bytes(bytes(source), name)
+        return decode_bytes(bytes(source), name or "audio")
     if isinstance(source, Mapping):
         return _load_mapping(source, base_dir, name)
     raise DatasetError(
-        f"{name}: unsupported audio source of type {type(source).__name__}; give a path, bytes, "
+        f"{name or 'audio'}: unsupported audio source of type {type(source).__name__}; give a path, bytes, "
         "{'bytes': ..., 'path': ...} or {'array': ..., 'sampling_rate': ...}"
     )
 
 
-def _load_path(path: Path, base_dir: Path | None) -> tuple[np.ndarray, int]:
+def _label(name: str | None, clip: Any) -> str:
+    """Where the clip sits and what it is called, for error messages."""
+    if name and clip:
+        return f"{name} ({clip})"
+    return str(name or clip or "audio")
+
+
+def _load_path(path: Path, base_dir: Path | None, name: str | None) -> tuple[np.ndarray, int]:
     path = path.expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
+    prefix = f"{name}: " if name else ""
     if not path.is_file():
-        raise DatasetError(f"audio file not found: {path}")
+        raise DatasetError(f"{prefix}audio file not found: {path}")
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise DatasetError(f"could not read audio file {path}: {err}") from err
-    return decode_bytes(data, str(path))
+        raise DatasetError(f"{prefix}could not read audio file {path}: {err}") from err
+    return decode_bytes(data, _label(name, path))
 
 
-def _load_mapping(source: Mapping[str, Any], base_dir: Path | None, name: str) -> tuple[np.ndarray, int]:
+def _load_mapping(source: Mapping[str, Any], base_dir: Path | None, name: str | None) -> tuple[np.ndarray, int]:
     if source.get("array") is not None:
-        return _from_array(source["array"], source.get("sampling_rate"), name)
+        return _from_array(source["array"], source.get("sampling_rate"), _label(name, source.get("path")))
     if source.get("bytes") is not None:
-        return decode_bytes(bytes(source["bytes"]), str(source.get("path") or name))
+        return decode_bytes(bytes(source["bytes"]), _label(name, source.get("path")))
     if source.get("path"):
-        return _load_path(Path(source["path"]), base_dir)
-    raise DatasetError(f"{name}: audio dict has no 'bytes', 'path' or 'array' (keys: {sorted(source)})")
+        return _load_path(Path(source["path"]), base_dir, name)
+    raise DatasetError(f"{name or 'audio'}: audio dict has no 'bytes', 'path' or 'array' (keys: {sorted(source)})")
 
 
 def _from_array(array: Any, sampling_rate: Any, name: str) -> tuple[np.ndarray, int]:

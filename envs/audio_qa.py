@@ -21,7 +21,7 @@ import numpy as np
 
 from relax_gym.core import Env, StepResult
 from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
-from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
+from relax_gym.envs.datasets import DatasetError, load_records, require_gold, shipped_path
 from relax_gym.messages import Message, Part, audio, message, text
 from relax_gym.rewards import RewardResult, multiple_choice_reward
 from relax_gym.single_turn import SingleTurnEnv
@@ -156,7 +156,7 @@ class AudioQAEnv(SingleTurnEnv):
         key = str(source) if isinstance(source, str | Path) else (index, j)
         cached = self.cache.get(key)
         if cached is None:
-            name = f"{self.data_file} record {self.tasks[index].id!r} clip {j + 1}"
+            name = f"{self.data_file} record {index} (id {self.tasks[index].id!r}) clip {j + 1}"
             samples, rate = load_audio(source, base_dir=self.data_file.parent, name=name)
             if self.target_sampling_rate is not None and rate != self.target_sampling_rate:
                 samples, rate = resample(samples, rate, self.target_sampling_rate), self.target_sampling_rate
@@ -206,7 +206,7 @@ def parse_record(record: Mapping[str, Any], index: int, data_file: Path) -> Audi
         clips=_clips(_field(record, "audio", where), where),
         question=question.strip(),
         choices=choices,
-        answer=answer_letter(_field(record, "answer", where), choices, where),
+        answer=answer_letter(require_gold(_field(record, "answer", where), where, "answer"), choices, where),
         task=str(record.get("task") or record.get("question_type") or "audio_qa"),
     )
 
@@ -223,7 +223,12 @@ def _clips(value: Any, where: str) -> tuple[AudioSource, ...]:
 
 
 def answer_letter(answer: Any, choices: Sequence[str], where: str) -> str:
-    """The gold letter from a letter ("B", "(B)"), a 0-based index (1, "1") or the option's text."""
+    """The gold letter from a letter ("B", "(B)"), a 0-based index (1, 1.0, "1") or the option's text.
+
+    A whole float is an index: pandas stores an int column with a missing value as floats.
+    """
+    if isinstance(answer, float | np.floating) and answer.is_integer():
+        answer = int(answer)
     if isinstance(answer, int | np.integer) and not isinstance(answer, bool):
         if 0 <= answer < len(choices):
             return LETTERS[int(answer)]

@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from relax_gym.rewards.result import is_missing
+
 
 class DatasetError(ValueError):
     """A data file is missing, unreadable or lacks a field an env needs."""
@@ -60,6 +62,13 @@ def require(record: dict[str, Any], keys: Sequence[str], where: str) -> None:
     missing = [k for k in keys if k not in record]
     if missing:
         raise DatasetError(f"{where}: record lacks field(s) {missing}; it has {sorted(record)}")
+
+
+def require_gold(value: Any, where: str, key: str) -> Any:
+    """`value` unchanged, or DatasetError: a missing gold would let a blank, "None" or "nan" reply score."""
+    if is_missing(value):
+        raise DatasetError(f"{where}: {key!r} is missing or empty (got {value!r}); a record needs a non-empty answer")
+    return value
 
 
 def pick(records: Sequence[Any], rng: Any) -> tuple[int, Any]:

@@ -9,6 +9,7 @@ run Python in the sandbox first.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
@@ -16,7 +17,7 @@ from typing import Any, ClassVar, Literal, get_args
 import numpy as np
 
 from relax_gym.core import Env
-from relax_gym.envs.datasets import DatasetError, load_records, pick, shipped_path
+from relax_gym.envs.datasets import DatasetError, load_records, pick, require_gold, shipped_path
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
 from relax_gym.sandbox import Sandbox, SandboxConfig
@@ -75,11 +76,23 @@ def _prompt_turns(raw: Any, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(turns)
 
 
-def _gold(value: Any, where: str) -> str:
-    if value is None or isinstance(value, bool) or not isinstance(value, str | int | float) or not str(value).strip():
-        raise DatasetError(f"{where}: the answer must be a non-empty string or number, got {value!r:.80}")
+def _gold(value: Any, where: str, key: str) -> str:
+    """The gold answer as text; None, NaN, blank and the text "nan" are refused.
+
+    "nan" is no math answer: it is how pandas and `str()` spell a missing value, and
+    math-verify would read it as the product n*a*n, which an answer of "nan" matches.
+    """
+    require_gold(value, where, key)
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise DatasetError(f"{where}: {key!r} must be a non-empty string or number, got {value!r:.80}")
     text = str(value).strip()
-    return text.rsplit("####", 1)[-1].strip() if "####" in text else text  # GSM8K puts the answer after '####'
+    if text.casefold() == "nan":
+        raise DatasetError(f"{where}: {key!r} is {value!r}, a missing value written as text, not an answer")
+    if "####" in text:  # GSM8K puts the answer after '####'
+        text = text.rsplit("####", 1)[-1].strip()
+        if not text:
+            raise DatasetError(f"{where}: {key!r} has nothing after its '####', got {value!r:.80}")
+    return text
 
 
 def parse_record(record: Any, index: int, source: str | Path) -> MathTask:
@@ -92,10 +105,12 @@ def parse_record(record: Any, index: int, source: str | Path) -> MathTask:
         reward_model = record["reward_model"]
         if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
             raise DatasetError(f"{where}: 'reward_model' needs a 'ground_truth', got {reward_model!r:.80}")
-        return MathTask(_prompt_turns(record["prompt"], where), _gold(reward_model["ground_truth"], where), index)
+        gold = _gold(reward_model["ground_truth"], where, "reward_model.ground_truth")
+        return MathTask(_prompt_turns(record["prompt"], where), gold, index)
     question = record.get("problem") or record.get("question")
     if isinstance(question, str) and question.strip() and "answer" in record:
-        return MathTask((("user", f"{question.strip()}\n\n{INSTRUCTION}"),), _gold(record["answer"], where), index)
+        gold = _gold(record["answer"], where, "answer")
+        return MathTask((("user", f"{question.strip()}\n\n{INSTRUCTION}"),), gold, index)
     raise DatasetError(
         f"{where}: expected dapo-math fields 'prompt' + 'reward_model.ground_truth', or 'problem'/'question' + "
         f"'answer'; the record has {sorted(record)}"
@@ -185,25 +200,32 @@ class MathToolEnv(ToolEnv):
         answer_format: AnswerFormat = "auto",
         system_prompt: str | None = TOOL_SYSTEM_PROMPT,
         timeout_s: float = 5.0,
+        max_tool_calls_per_turn: int | None = None,
+        step_timeout_s: float | None = None,
     ):
-        super().__init__(max_turns=max_turns)
+        super().__init__(
+            max_turns=max_turns, max_tool_calls_per_turn=max_tool_calls_per_turn, step_timeout_s=step_timeout_s
+        )
         self.tasks = load_math_tasks(data_path, split)
         self.sandbox_config = SandboxConfig(require_container=require_container, timeout_s=sandbox_timeout_s)
         self.answer_format = _check_answer_format(answer_format)
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
         self._sandbox: Sandbox | None = None
+        self._sandbox_lock = threading.Lock()
 
-    @tool
+    @tool(concurrent=True)  # each run is a fresh container or temp dir, and Sandbox is thread-safe
     def python(self, code: str) -> str:
         """Runs a Python script in a sandbox and returns its exit code and output.
 
         Args:
             code: Python source to run as a script; use print() to see values.
         """
-        if self._sandbox is None:  # made on first use: an episode that never calls the tool needs no engine
-            self._sandbox = Sandbox(self.sandbox_config)
-        return self._sandbox.run(code).summary()
+        with self._sandbox_lock:  # made on first use: an episode that never calls the tool needs no engine
+            if self._sandbox is None:
+                self._sandbox = Sandbox(self.sandbox_config)
+            sandbox = self._sandbox
+        return sandbox.run(code).summary()
 
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         index = _task_index(options, len(self.tasks))
@@ -222,7 +244,8 @@ class MathToolEnv(ToolEnv):
         return {"task_index": self.episode["task"]["index"]}
 
     def close(self) -> None:
-        if self._sandbox is not None:
-            self._sandbox.close()
-            self._sandbox = None
+        with self._sandbox_lock:
+            sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            sandbox.close()
         super().close()

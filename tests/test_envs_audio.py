@@ -387,6 +387,55 @@ def test_bad_audio_file_raises_dataset_error_naming_it(tmp_path: Path, content: 
     assert "broken.wav" in str(err.value)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("answer", [None, float("nan"), "", " "], ids=repr)
+def test_missing_answer_fails_at_construction_naming_file_and_record(tmp_path: Path, fmt: str, answer) -> None:
+    (tmp_path / "c.wav").write_bytes(encode_wav(tone(440), SR))
+    # parquet columns have one type: a float column (where NaN lives) or a string one
+    good = 0.0 if isinstance(answer, float) else "A"
+    records = [{"id": f"q{i}", "audio": "c.wav", "question": "Tone?", "choices": ["yes", "no"], "answer": a}
+               for i, a in enumerate([good, answer])]  # fmt: skip
+    path = tmp_path / f"d.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        write_jsonl(path, records)
+    with pytest.raises(DatasetError, match=r"record 1 .*'answer'.* missing|record 1 .*lacks 'answer'") as err:
+        AudioQAEnv(data_path=path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("clip", "content", "match"),
+    [
+        ({"bytes": b"not audio at all" * 8, "path": "dog_bark.wav"}, None, "not a readable audio file"),
+        ({"bytes": b"", "path": "dog_bark.wav"}, None, "empty"),
+        ({"bytes": None, "path": "dog_bark.wav"}, None, "not found"),
+        ({"bytes": None, "path": "dog_bark.wav"}, b"RIFF junk", "not a readable audio file"),
+        ("dog_bark.wav", b"RIFF junk", "not a readable audio file"),
+    ],
+    ids=["parquet-corrupt-bytes", "parquet-empty-bytes", "parquet-missing-path", "parquet-bad-path", "jsonl-path"],
+)
+def test_audio_errors_name_data_file_record_and_clip(tmp_path: Path, clip, content: bytes | None, match: str) -> None:
+    if content is not None:
+        (tmp_path / "dog_bark.wav").write_bytes(content)
+    (tmp_path / "fine.wav").write_bytes(encode_wav(tone(440), SR))
+    good = "fine.wav" if isinstance(clip, str) else {"bytes": encode_wav(tone(440), SR), "path": "fine.wav"}
+    records = [{"id": f"q{i}", "audio": [good, c], "question": "Tone?", "choices": ["yes", "no"], "answer": "A"}
+               for i, c in enumerate([good, clip])]  # fmt: skip
+    if isinstance(clip, str):
+        path = write_jsonl(tmp_path / "d.jsonl", records)
+    else:
+        path = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(records), path)
+    env = AudioQAEnv(data_path=path)
+    env.reset(options={"index": 0})
+    with pytest.raises(DatasetError, match=match) as err:
+        env.reset(options={"index": 1})
+    message = str(err.value)
+    assert str(path) in message and "record 1 (id 'q1') clip 2" in message and "dog_bark.wav" in message, message
+
+
 # --- decoding ---------------------------------------------------------------------
 def test_stereo_flac_is_downmixed_at_its_own_rate(tmp_path: Path) -> None:
     left, right = tone(440, 0.2, 22050), tone(440, 0.2, 22050) * 0.0

@@ -407,3 +407,70 @@ def test_generator_is_deterministic(tmp_path: Path) -> None:
     assert len(outputs[0]) == 2 + 6
     records = [json.loads(line) for line in outputs[0][Path("train.jsonl")].decode().splitlines()]
     assert [r["images"][0]["path"] for r in records] == [f"images/train_{i:03d}.png" for i in range(5)]
+
+
+def write_records(path: Path, records: list[dict[str, Any]]) -> Path:
+    """JSON lines, or parquet written by pyarrow (which keeps a float NaN as NaN)."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))  # json writes NaN as the literal NaN
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("gold", [None, float("nan"), "", "  "], ids=repr)
+def test_missing_ground_truth_fails_at_construction_naming_file_and_record(
+    tmp_path: Path, suffix: str, gold: Any
+) -> None:
+    picture().save(tmp_path / "a.png")
+    # A float column for NaN (parquet columns have one type), a string one otherwise.
+    good = 7.0 if isinstance(gold, float) else "7"
+    path = write_records(tmp_path / f"data{suffix}", [user_record("a.png", good), user_record("a.png", gold)])
+    with pytest.raises(DatasetError, match=r"ground_truth.*missing") as err:
+        DeepEyesEnv(data_path=path)
+    assert f"{path} record 1" in str(err.value)
+
+
+@pytest.mark.parametrize("gold", ["", "  "], ids=repr)
+def test_blank_gold_never_scores_whatever_the_answer(env: DeepEyesEnv, gold: str) -> None:
+    """The grader checks too (tasks can come from snapshots): a blank gold is an error, never 1.1."""
+    for answer in ("<answer>None</answer>", "<answer>nan</answer>", "<answer></answer>"):
+        env.reset(seed=0)
+        env.episode["task"]["gold"] = gold
+        _, reward, terminated, _, info = env.step(answer)
+        assert (reward, terminated, info["reward"]["status"]) == (0.0, True, "error"), (answer, info)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_empty_data_file_fails_at_make_naming_it(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"empty{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    else:
+        path.write_text("[]" if suffix == ".json" else "")
+    with pytest.raises(DatasetError, match="no records") as err:
+        relax_gym.make("relax/DeepEyes-v0", data_path=str(path))
+    assert str(path) in str(err.value)
+
+
+def test_transparent_png_is_shown_over_white_not_black(tmp_path: Path) -> None:
+    rgba = np.zeros((336, 448, 4), np.uint8)  # fully transparent, its hidden colour black
+    rgba[30:80, 40:90] = (200, 50, 50, 255)  # an opaque red patch
+    rgba[100:150, 100:150] = (0, 0, 255, 128)  # half-transparent blue
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "logo.png")
+    # A palette PNG whose black entry is marked transparent (tRNS), as GIF-style logos are.
+    palette = Image.fromarray(rgba[..., :3]).convert("P", palette=Image.Palette.ADAPTIVE, colors=4)
+    palette.save(tmp_path / "palette.png", transparency=palette.getpixel((0, 0)))
+    write_records(tmp_path / "data.jsonl", [user_record("logo.png"), user_record("palette.png")])
+    env = DeepEyesEnv(data_path=tmp_path / "data.jsonl")
+    for index in (0, 1):
+        obs, _ = env.reset(options={"index": index})
+        shown = np.asarray(images_of(obs)[0])
+        assert shown.shape == (336, 448, 3)
+        assert tuple(shown[0, 0]) == (255, 255, 255) and tuple(shown[300, 400]) == (255, 255, 255)
+        assert tuple(shown[50, 60]) == (200, 50, 50)
+    obs, _ = env.reset(options={"index": 0})
+    assert tuple(np.asarray(images_of(obs)[0])[120, 120]) == (127, 127, 255)  # blue at half over white
+    *_, info = env.step(zoom([0, 0, 40, 30]))  # a zoom into the transparent corner is white too
+    assert not info["tool_errors"]

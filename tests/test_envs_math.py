@@ -214,6 +214,40 @@ def test_bad_record_raises_dataset_error_naming_it(tmp_path, writer, bad, messag
     assert f"{path}: record 1" in str(err.value)
 
 
+NAN = float("nan")
+
+
+def dapo(gold) -> dict:
+    return {"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": gold}}
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+@pytest.mark.parametrize(
+    ("records", "key"),
+    [
+        ([dapo("1"), dapo(None)], "reward_model.ground_truth"),
+        ([dapo(1.0), dapo(NAN)], "reward_model.ground_truth"),  # a float column, as pandas exports numbers
+        ([dapo("1"), dapo("  ")], "reward_model.ground_truth"),
+        ([dapo("1"), dapo("nan")], "reward_model.ground_truth"),  # NaN gone through str()
+        ([{"problem": "Q", "answer": 1.0}, {"problem": "Q", "answer": NAN}], "answer"),
+        ([{"problem": "Q", "answer": "1"}, {"problem": "Q", "answer": "NaN"}], "answer"),
+        ([{"problem": "Q", "answer": "1"}, {"problem": "Q", "answer": "steps ####"}], "answer"),
+    ],
+    ids=["none", "nan", "blank", "nan-text", "simple-nan", "simple-nan-text", "gsm8k-empty"],
+)
+def test_missing_gold_is_refused_naming_file_record_and_key(tmp_path, writer, records, key):
+    """Otherwise str(NaN) == "nan" becomes the gold, and the answer \\boxed{nan} scores 1.0."""
+    path = writer(tmp_path / f"gold.{'jsonl' if writer is write_jsonl else 'parquet'}", records)
+    stored = load_records(path)[1]
+    stored = stored["reward_model"]["ground_truth"] if key != "answer" else stored["answer"]
+    bad = records[1]["reward_model"]["ground_truth"] if key != "answer" else records[1]["answer"]
+    assert stored == bad or (stored != stored and bad != bad)  # a NaN is read back as NaN, not as null
+    for env_id in IDS:
+        with pytest.raises(DatasetError) as err:
+            relax_gym.make(env_id, data_path=str(path))
+        assert f"{path}: record 1" in str(err.value) and repr(key) in str(err.value)
+
+
 def test_missing_file_empty_file_and_bad_split(tmp_path):
     with pytest.raises(DatasetError, match="not found"):
         MathEnv(data_path=tmp_path / "nope.jsonl")

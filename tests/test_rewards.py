@@ -372,7 +372,6 @@ def test_multiple_choice_bad_gold_is_an_error(gold: str, choices: list[str] | No
         ("an apple", ["a pear", "apple"], True, 1.0),
         ("Paris", "paris", False, 0.0),
         (" Paris ", "Paris", False, 1.0),
-        ("", "", True, 1.0),
         ("", "Paris", True, 0.0),
     ],
 )
@@ -390,8 +389,7 @@ def test_exact_match(completion: str, gold: str | list[str], normalize: bool, ex
         ("dog", "cat", 0.0),
         ("<answer>Barack Obama</answer> and more text", "Obama", 2 / 3),
         ("cat cat", "cat", 2 / 3),  # repeated tokens count once per gold occurrence
-        ("", "", 1.0),
-        ("a the an", "", 1.0),  # only articles: normalises to empty
+        ("a the an", "the", 1.0),  # only articles: both normalise to empty
         ("", "cat", 0.0),
         ("cat", ["dog", "cat"], 1.0),
     ],
@@ -405,6 +403,45 @@ def test_f1(completion: str, gold: str | list[str], expected: float) -> None:
 @pytest.mark.parametrize("reward", [exact_match_reward, f1_reward])
 def test_text_rewards_without_gold_are_errors(reward) -> None:
     assert reward("x", []).status == "error"
+
+
+# A missing truth (None, a parquet NaN, a blank string) must never be matched, whatever the answer: an
+# empty answer equals an empty gold, and str(None) / str(nan) equal the replies "None" / "nan".
+MISSING_GOLDS = [None, float("nan"), "", "  \n"]
+ANSWERS_TO_MISSING = ["", "<answer></answer>", "None", "nan", "<answer>nan</answer>", "\\boxed{nan}", "A", "3"]
+GRADERS = {
+    "math-inline": lambda answer, gold: math_reward(answer, gold, timeout_s=None),
+    "math-workers": lambda answer, gold: math_reward(answer, gold, timeout_s=30.0),
+    "math-raw": lambda answer, gold: math_reward(answer, gold, answer_format="raw", timeout_s=None),
+    "exact": exact_match_reward,
+    "exact-raw": lambda answer, gold: exact_match_reward(answer, gold, normalize=False),
+    "f1": f1_reward,
+    "choice": multiple_choice_reward,
+    "choice-options": lambda answer, gold: multiple_choice_reward(answer, gold, choices=["nan", "None", ""]),
+}
+
+
+@pytest.mark.parametrize("grader", GRADERS.values(), ids=GRADERS.keys())
+@pytest.mark.parametrize("gold", MISSING_GOLDS, ids=repr)
+def test_missing_gold_is_an_error_whatever_the_answer(grader, gold) -> None:
+    for answer in ANSWERS_TO_MISSING:
+        result = grader(answer, gold)
+        assert (result.status, result.score) == ("error", 0.0), (answer, result)
+        assert "gold answer is missing" in (result.detail or ""), result
+
+
+@pytest.mark.parametrize("reward", [exact_match_reward, f1_reward])
+def test_one_missing_gold_among_several_is_an_error(reward) -> None:
+    result = reward("", ["Paris", ""])
+    assert (result.status, result.score) == ("error", 0.0)
+    assert "gold answer 1 is missing" in (result.detail or "")
+
+
+@pytest.mark.parametrize("timeout_s", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("gold", ["nan", "NaN", " NAN "])
+def test_math_gold_nan_text_is_a_missing_value_not_an_answer(gold: str, timeout_s: float | None) -> None:
+    result = math_reward(r"\boxed{nan}", gold, timeout_s=timeout_s)
+    assert (result.status, result.score, result.extracted) == ("error", 0.0, "nan")
 
 
 TAGS = ("think", "answer")

@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-from relax_gym.envs.datasets import DatasetError, require, shipped_path
+from relax_gym.envs.datasets import DatasetError, require, require_gold, shipped_path
 
 IMAGE_PLACEHOLDER = "<image>"
 SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -36,11 +36,16 @@ def data_file(data_path: str | Path | None, split: str) -> Path:
 
 def validate(records: list[dict[str, Any]], source: Path) -> None:
     """Checks the fields every record needs up front, so a bad file fails at construction."""
+    if not records:
+        raise DatasetError(f"{source}: the file has no records")
     for i, record in enumerate(records):
         where = f"{source} record {i}"
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where}: expected an object, got {type(record).__name__}")
         require(record, ("prompt", "images", "reward_model"), where)
         if not isinstance(record["reward_model"], dict) or "ground_truth" not in record["reward_model"]:
             raise DatasetError(f"{where}: reward_model needs a 'ground_truth'")
+        require_gold(record["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
         if not isinstance(record["images"], list | tuple) or len(record["images"]) != 1:
             raise DatasetError(f"{where}: expected exactly one image in 'images', got {record['images']!r:.80}")
 
@@ -87,6 +92,18 @@ def _image_source(entry: Any, base: Path) -> bytes | Path:
     return path if path.is_absolute() else base / path
 
 
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB with transparent pixels laid over white.
+
+    A plain convert drops alpha, and the colour hidden under transparent pixels (often
+    black) would show a logo or a cut-out as a black block.
+    """
+    if img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in img.info:  # info: P, L, RGB with tRNS
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return img.convert("RGB")
+
+
 def load_image(record: dict[str, Any], index: int, source: Path) -> Image.Image:
     """The record's image as RGB; a missing or corrupt file raises DatasetError naming record and file."""
     try:
@@ -96,6 +113,6 @@ def load_image(record: dict[str, Any], index: int, source: Path) -> Image.Image:
     name = f"{len(origin)} bytes of embedded image" if isinstance(origin, bytes) else str(origin)
     try:
         with Image.open(io.BytesIO(origin) if isinstance(origin, bytes) else origin) as img:
-            return img.convert("RGB")
+            return to_rgb(img)
     except Exception as err:  # decoders raise OSError, SyntaxError, ValueError...: all mean a bad file
         raise DatasetError(f"{source} record {index}: cannot read image {name}: {type(err).__name__}: {err}") from err

@@ -93,6 +93,9 @@ class DeepEyesEnv(ToolEnv):
         max_image_side: the longest side of any image shown; larger views are downscaled.
         min_image_side: smaller views (zooms, mostly) are upscaled until their short side
             reaches this, keeping the aspect ratio, so a VLM gets enough patches of a detail.
+        max_tool_calls_per_turn, step_timeout_s: the per-turn bounds of `ToolEnv` (None keeps
+            its defaults). The zoom and rotate tools build on the current view, so a turn's
+            calls run one after another, in order.
 
     `reset(options={"index": i})` picks record i instead of a seeded random one.
     """
@@ -112,6 +115,8 @@ class DeepEyesEnv(ToolEnv):
         judge: Judge | None = None,
         max_image_side: int = 1344,
         min_image_side: int = 224,
+        max_tool_calls_per_turn: int | None = None,
+        step_timeout_s: float | None = None,
     ):
         if bbox_format not in _COORDINATES:
             raise ValueError(f"bbox_format must be 'absolute' or 'normalized', got {bbox_format!r}")
@@ -121,7 +126,9 @@ class DeepEyesEnv(ToolEnv):
             raise ValueError("reward weights must be finite numbers")
         if judge is not None and not callable(judge):
             raise TypeError(f"judge must be callable(question, gold, prediction), got {type(judge).__name__}")
-        super().__init__(max_turns=max_turns)
+        super().__init__(
+            max_turns=max_turns, max_tool_calls_per_turn=max_tool_calls_per_turn, step_timeout_s=step_timeout_s
+        )
         self.source = data_file(data_path, split)
         self.records = load_records(self.source)
         validate(self.records, self.source)

@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 
 from relax_gym.rewards.extract import extract_boxed, extract_tag
-from relax_gym.rewards.result import RewardResult, never_raises
+from relax_gym.rewards.result import RewardResult, missing_gold, never_raises
 from relax_gym.rewards.text_match import normalize_answer
 
 _LETTER = r"\(?[A-Z](?![A-Za-z0-9'])\)?"
@@ -72,8 +72,11 @@ def multiple_choice_reward(completion: str, gold: str, *, choices: Sequence[str]
 
     Looks in the last ``<answer>`` tag, else the last ``\\boxed{}``, else the whole text
     ("the answer is B", a leading "B." / "(B)", a lone "(B)"); with ``choices`` the option's
-    text counts too. Two different letters are ambiguous and score 0.
+    text counts too. Two different letters are ambiguous and score 0. A missing ``gold``
+    (None, NaN, blank) is an "error".
     """
+    if missing := missing_gold(gold):
+        return missing
     gold_letter = gold.strip().strip("()").upper()
     if not re.fullmatch(r"[A-Z]", gold_letter):
         raise ValueError(f"gold must be a letter A-Z, got {gold!r}")

@@ -9,7 +9,7 @@ from typing import Literal
 
 from relax_gym.rewards._pool import WorkerPool
 from relax_gym.rewards.extract import extract_boxed, extract_dapo_answer, extract_tag
-from relax_gym.rewards.result import RewardResult, never_raises
+from relax_gym.rewards.result import RewardResult, missing_gold, never_raises
 
 AnswerFormat = Literal["auto", "boxed", "dapo", "raw"]
 
@@ -71,11 +71,19 @@ def math_reward(
     ``auto`` takes the last ``\\boxed{}``, else the last ``<answer>`` tag, else the last
     ``Answer:`` line. With ``timeout_s`` the check runs in a worker process that is killed
     when it overruns (status "timeout"); ``None`` runs it inline in this thread, unbounded.
-    An unparsable ``gold`` is an "error": a data problem, not a wrong answer.
+    An unparsable or missing ``gold`` is an "error": a data problem, not a wrong answer.
+    The text "nan" counts as missing: it is a NaN gone through ``str()``, and math-verify
+    would read it as the product n*a*n, equal to any "nan" reply.
     """
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
     answer = _extract(completion, answer_format)
+    if missing := missing_gold(gold, answer):
+        return missing
+    if not isinstance(gold, str):
+        raise TypeError(f"gold must be a string, got {type(gold).__name__}")
+    if gold.strip().casefold() == "nan":
+        return RewardResult(0.0, "error", f"the gold answer is {gold!r}, a missing value written as text", answer)
     if answer is None:
         looked_for = " or ".join(label for _, label in _FORMATS[answer_format])
         return RewardResult(0.0, detail=f"no {looked_for} answer found")

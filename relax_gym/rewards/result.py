@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, ParamSpec
@@ -44,3 +46,26 @@ def never_raises(fn: Callable[_P, RewardResult]) -> Callable[_P, RewardResult]:
             return RewardResult(0.0, "error", f"{type(exc).__name__}: {exc}")
 
     return wrapper
+
+
+def is_missing(value: Any) -> bool:
+    """None, a float NaN (how parquet and pandas hold a missing value) or a blank string."""
+    if value is None:
+        return True
+    if isinstance(value, numbers.Real):  # numpy floats too
+        return math.isnan(value)
+    return isinstance(value, str) and not value.strip()
+
+
+def missing_gold(gold: Any, extracted: str | None = None) -> RewardResult | None:
+    """An error result when ``gold`` (or one of several golds) is missing, else None.
+
+    Graders check this before matching: an empty answer equals an empty gold, and
+    ``str(None)`` or ``str(nan)`` would equal a reply of "None" or "nan".
+    """
+    golds = list(gold) if isinstance(gold, list | tuple) else [gold]
+    for i, value in enumerate(golds):
+        if is_missing(value):
+            which = f"gold answer {i}" if len(golds) > 1 else "gold answer"
+            return RewardResult(0.0, "error", f"the {which} is missing ({value!r}): nothing to compare with", extracted)
+    return None
