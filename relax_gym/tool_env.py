@@ -3,11 +3,19 @@
 A subclass provides `new_task` (what to ask), `score` (how to grade the final
 answer) and its tools as `@tool` methods; the turn loop, tool-call parsing,
 error observations, turn limits and state snapshots live here once.
+
+A turn's tool calls are bounded, since the model writes them: at most
+`max_tool_calls_per_turn` run, and all of them share a `step_timeout_s` budget.
+Calls to tools marked `@tool(concurrent=True)` run at the same time; the rest run
+one after another in call order, as they may build on each other's effects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -16,7 +24,7 @@ from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
 from relax_gym.messages import Message, Part, message, text
 from relax_gym.rewards import RewardResult
 from relax_gym.spaces import MessageSpace
-from relax_gym.tools import TOOL_MARK, ToolSet, parse_tool_calls
+from relax_gym.tools import TOOL_MARK, ToolCall, ToolResult, ToolSet, parse_tool_calls
 
 
 class ToolEnv(EpisodeState, Env[list[Message]]):
@@ -24,13 +32,32 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
 
     metadata: ClassVar[dict[str, Any]] = {**Env.metadata}
     max_turns: int = 6
+    #: calls past this many in one turn are not run; the model is told how many were skipped
+    max_tool_calls_per_turn: int = 4
+    #: seconds the tool calls of one step may take together; calls unfinished by then are reported as timed out
+    step_timeout_s: float = 60.0
     system_prompt: str | None = None
 
-    def __init__(self, *, max_turns: int | None = None):
+    def __init__(
+        self,
+        *,
+        max_turns: int | None = None,
+        max_tool_calls_per_turn: int | None = None,
+        step_timeout_s: float | None = None,
+    ):
         if max_turns is not None:
             if max_turns < 1:
                 raise ValueError(f"max_turns must be >= 1, got {max_turns}")
             self.max_turns = max_turns
+        if max_tool_calls_per_turn is not None:
+            cap = max_tool_calls_per_turn
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"max_tool_calls_per_turn must be an int >= 1, got {cap!r}")
+            self.max_tool_calls_per_turn = cap
+        if step_timeout_s is not None:
+            if not (isinstance(step_timeout_s, int | float) and math.isfinite(step_timeout_s) and step_timeout_s > 0):
+                raise ValueError(f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}")
+            self.step_timeout_s = float(step_timeout_s)
         self.toolset = ToolSet(self.make_tools())
         self.metadata = {**type(self).metadata, "tools": self.toolset.names}
         modalities = tuple(self.metadata.get("modalities", ("text",)))
@@ -84,16 +111,56 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         for err in parsed.errors:
             ep["tool_errors"] += 1
             observation.append(message("tool", text(f"Error: {err.message}"), name="tool_call_parser"))
-        for call in parsed.calls:
+        cap = self.max_tool_calls_per_turn
+        calls, skipped = parsed.calls[:cap], len(parsed.calls) - cap
+        for call, outcome in zip(calls, self._run_calls(calls), strict=True):
             ep["tool_calls"] += 1
-            outcome = self.toolset.execute(call)
+            if outcome is None:
+                late = f"Error: {call.name}: tool call timed out after the step budget of {self.step_timeout_s:g} s"
+                outcome = ToolResult([text(late)], is_error=True)
             ep["tool_errors"] += outcome.is_error
             ep["tool_successes"] += not outcome.is_error
             observation.append(message("tool", *outcome.content, name=call.name))
+        if skipped > 0:
+            ep["tool_errors"] += skipped
+            note = f"Error: {skipped} more tool call(s) were not run: at most {cap} tool calls are run per turn."
+            observation.append(message("tool", text(note), name="tool_call_limit"))
         if ep["turn"] >= self.max_turns:
             ep["done"] = True
             return observation, 0.0, False, True, self._info(truncated_by="max_turns")
         return observation, 0.0, False, False, self._info()
+
+    def _run_calls(self, calls: Sequence[ToolCall]) -> list[ToolResult | None]:
+        """Each call's result in call order; None for a call unfinished when the step's budget ran out.
+
+        Concurrent-safe calls get a thread each, the others share one thread that runs
+        them in order and starts none once the budget is spent. Threads are daemons, as
+        Python cannot stop a thread: a call past the deadline is abandoned, never awaited,
+        and its late result is dropped (an order-dependent tool's late effect may still land).
+        """
+        results: list[ToolResult | None] = [None] * len(calls)
+        expired = threading.Event()
+
+        def run(indices: list[int]) -> None:
+            for i in indices:
+                if expired.is_set():
+                    return
+                try:
+                    results[i] = self.toolset.execute(calls[i])
+                except BaseException as err:  # Tool catches Exception; SystemExit and the like end up here
+                    failed = f"Error: {calls[i].name} failed: {type(err).__name__}"
+                    results[i] = ToolResult([text(failed)], is_error=True)
+
+        ordered = [i for i, call in enumerate(calls) if not self.toolset.concurrent(call)]
+        groups = [[i] for i, call in enumerate(calls) if self.toolset.concurrent(call)] + ([ordered] if ordered else [])
+        threads = [threading.Thread(target=run, args=(g,), name="relax_gym-tool", daemon=True) for g in groups]
+        deadline = time.monotonic() + self.step_timeout_s
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        expired.set()
+        return list(results)
 
     def episode_info(self) -> dict[str, Any]:
         """JSON-serialisable facts about the running episode for every `info` (a subclass adds its own)."""

@@ -1,4 +1,6 @@
 import json
+import threading
+import time
 
 import pytest
 
@@ -110,3 +112,173 @@ def test_blocking_envs_step_in_a_thread_and_fast_ones_on_the_loop():
 
         asyncio.run(run())
         assert (env.thread is threading.main_thread()) == on_loop
+
+
+# --- bounded steps: the per-turn cap, the step budget, concurrency -------------------------------
+
+
+class Tools(ToolEnv):
+    """Tools that sleep, block, meet at a barrier or exit, to exercise how a turn's calls run."""
+
+    max_turns = 5
+
+    def __init__(self, parties: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.release = threading.Event()
+        self.barrier = threading.Barrier(parties, timeout=20)
+        self.ran: list[str] = []
+        self.running = threading.Lock()
+
+    def new_task(self, rng, options):
+        return {"prompt": "Use the tools."}
+
+    def score(self, answer):
+        return 0.0
+
+    @tool(concurrent=True)
+    def meet(self, i: int) -> str:
+        """Waits until every party has arrived: only calls that run at the same time can all get past.
+
+        Args:
+            i: an id echoed back
+        """
+        self.barrier.wait()
+        return f"met {i}"
+
+    @tool(concurrent=True)
+    def block(self) -> str:
+        """Waits for the test to release it."""
+        self.release.wait()
+        return "released"
+
+    @tool
+    def ordered(self, i: int) -> str:
+        """An order-dependent tool: records that it ran, and that no other call of its kind overlapped.
+
+        Args:
+            i: an id recorded and echoed back
+        """
+        if not self.running.acquire(blocking=False):
+            raise RuntimeError("two order-dependent calls overlapped")
+        try:
+            time.sleep(0.05)
+            self.ran.append(f"ordered {i}")
+            return f"ordered {i}"
+        finally:
+            self.running.release()
+
+    @tool
+    def hang(self) -> str:
+        """An order-dependent tool that waits for the test to release it."""
+        self.release.wait()
+        self.ran.append("hang")
+        return "released"
+
+    @tool(concurrent=True)
+    def leave(self) -> str:
+        """Calls sys.exit, which is no Exception."""
+        raise SystemExit(3)
+
+
+def calls(*pairs) -> str:
+    return "".join(
+        "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>" for name, args in pairs
+    )
+
+
+def texts(observation) -> list[str]:
+    return [m["content"][0]["text"] for m in observation]
+
+
+@pytest.fixture
+def tools():
+    made: list[Tools] = []
+
+    def make(**kwargs) -> Tools:
+        made.append(Tools(**kwargs))
+        made[-1].reset(seed=0)
+        return made[-1]
+
+    yield make
+    for env in made:  # let blocked tool threads finish
+        env.release.set()
+        env.barrier.abort()
+
+
+def test_calls_past_the_per_turn_cap_are_not_run_and_the_model_is_told():
+    env = Lookup()
+    assert env.max_tool_calls_per_turn == 4
+    env.reset(seed=0)
+    obs, _, terminated, truncated, info = env.step(call({"key": "a"}) * 10)
+    limit = "Error: 6 more tool call(s) were not run: at most 4 tool calls are run per turn."
+    assert texts(obs) == ["97"] * 4 + [limit]
+    assert [m["name"] for m in obs] == ["value"] * 4 + ["tool_call_limit"]
+    assert info == {"turn": 1, "tool_calls": 4, "tool_successes": 4, "tool_errors": 6}
+    assert not (terminated or truncated)
+    two = Lookup(max_tool_calls_per_turn=2)
+    two.reset(seed=0)
+    *_, info = two.step(call({"key": "a"}) * 3)
+    assert (info["tool_calls"], info["tool_errors"]) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_tool_calls_per_turn": 0}, {"max_tool_calls_per_turn": 1.5}, {"max_tool_calls_per_turn": True},
+               {"step_timeout_s": 0}, {"step_timeout_s": -1.0}, {"step_timeout_s": float("nan")},
+               {"step_timeout_s": float("inf")}],
+)  # fmt: skip
+def test_bad_bounds_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Lookup(**kwargs)
+
+
+def test_a_call_past_the_step_budget_becomes_a_timeout_error(tools):
+    env = tools(step_timeout_s=1.0)
+    obs, _, terminated, truncated, info = env.step(calls(("block", {}), ("ordered", {"i": 1})))
+    assert texts(obs) == ["Error: block: tool call timed out after the step budget of 1 s", "ordered 1"]
+    assert info == {"turn": 1, "tool_calls": 2, "tool_successes": 1, "tool_errors": 1}
+    assert not (terminated or truncated)
+    env.release.set()  # the abandoned call finishing later changes nothing already reported
+    obs, *_, info = env.step(calls(("block", {})))
+    assert texts(obs) == ["released"] and info["tool_successes"] == 2
+
+
+def test_order_dependent_calls_stop_at_the_budget_in_order(tools):
+    env = tools(step_timeout_s=1.0)
+    obs, *_, info = env.step(calls(("ordered", {"i": 1}), ("hang", {}), ("ordered", {"i": 2})))
+    assert texts(obs) == [
+        "ordered 1",
+        "Error: hang: tool call timed out after the step budget of 1 s",
+        "Error: ordered: tool call timed out after the step budget of 1 s",
+    ]
+    assert info["tool_errors"] == 2
+    env.release.set()
+    obs, *_ = env.step(calls(("ordered", {"i": 3})))
+    assert texts(obs) == ["ordered 3"]
+    assert env.ran[0] == "ordered 1" and "ordered 2" not in env.ran  # the call after the hung one never started
+
+
+def test_concurrent_calls_run_together_and_results_keep_call_order(tools):
+    env = tools(parties=3, max_tool_calls_per_turn=6)
+    action = calls(("ordered", {"i": 1}), ("meet", {"i": 0}), ("ordered", {"i": 2}), ("meet", {"i": 1}),
+                   ("meet", {"i": 2}))  # fmt: skip
+    obs, *_, info = env.step(action)
+    # Three calls at one barrier only all pass when they run at the same time; one after another, the first waits
+    # for the others until the barrier breaks and every meet call fails.
+    assert texts(obs) == ["ordered 1", "met 0", "ordered 2", "met 1", "met 2"]
+    assert info == {"turn": 1, "tool_calls": 5, "tool_successes": 5, "tool_errors": 0}
+    assert env.ran == ["ordered 1", "ordered 2"]
+
+
+def test_a_tool_calling_sys_exit_is_an_error_observation(tools):
+    env = tools()
+    obs, *_, info = env.step(calls(("leave", {}), ("ordered", {"i": 1})))
+    assert texts(obs) == ["Error: leave failed: SystemExit", "ordered 1"]
+    assert (info["tool_errors"], info["tool_successes"]) == (1, 1)
+
+
+def test_tool_marks():
+    env = Tools()
+    assert {name: t.concurrent for name, t in env.toolset.tools.items()} == {
+        "block": True, "hang": False, "leave": True, "meet": True, "ordered": False,
+    }  # fmt: skip
+    assert Lookup().toolset.tools["value"].concurrent is False

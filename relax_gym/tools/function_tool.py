@@ -13,7 +13,7 @@ import inspect
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import pydantic
@@ -24,6 +24,8 @@ from relax_gym.messages import Part, audio, image, text, validate_part
 from relax_gym.tools.parser import ToolCall
 
 TOOL_MARK = "__relax_gym_tool__"
+CONCURRENT_MARK = "__relax_gym_tool_concurrent__"
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class ToolError(Exception):
@@ -34,10 +36,25 @@ class ToolDefinitionError(TypeError):
     """A function cannot be offered as a tool (no docstring, undocumented argument, untyped)."""
 
 
-def tool(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a function or method as a tool; `ToolEnv` offers every marked method."""
-    setattr(fn, TOOL_MARK, True)
-    return fn
+@overload
+def tool(fn: _F, /) -> _F: ...
+@overload
+def tool(*, concurrent: bool = False) -> Callable[[_F], _F]: ...
+def tool(fn: _F | None = None, /, *, concurrent: bool = False) -> _F | Callable[[_F], _F]:
+    """Marks a function or method as a tool; `ToolEnv` offers every marked method.
+
+    `@tool(concurrent=True)` declares the tool safe to run at the same time as other
+    calls of the same turn (it keeps no order-dependent state, like a sandboxed run);
+    unmarked tools run one after another in call order, since they may build on each
+    other's effects (a zoom into the previous zoom).
+    """
+
+    def mark(f: _F) -> _F:
+        setattr(f, TOOL_MARK, True)
+        setattr(f, CONCURRENT_MARK, concurrent)
+        return f
+
+    return mark if fn is None else mark(fn)
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,7 @@ class ToolResult:
 class Tool:
     """A callable with its JSON schema and a validating invoker."""
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, *, concurrent: bool | None = None):
         try:
             schema = get_json_schema(fn)
         except Exception as err:  # transformers raises several types; all mean the same here
@@ -58,6 +75,8 @@ class Tool:
             schema["function"]["name"] = name
         schema["function"].pop("return", None)
         self.fn = fn
+        #: whether calls may run alongside the turn's other calls (see `tool`)
+        self.concurrent: bool = bool(getattr(fn, CONCURRENT_MARK, False) if concurrent is None else concurrent)
         self.name: str = schema["function"]["name"]
         self.schema: dict[str, Any] = schema
         self._validated = pydantic.validate_call(config={"arbitrary_types_allowed": True})(fn)
@@ -131,5 +150,11 @@ class ToolSet:
         if found is None:
             close = difflib.get_close_matches(call.name, list(self.tools), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            return _error(f"unknown tool {call.name!r}.{hint} Available tools: {', '.join(self.tools) or 'none'}")
+            shown = call.name if len(call.name) <= 80 else call.name[:80] + "..."  # the name is model output
+            return _error(f"unknown tool {shown!r}.{hint} Available tools: {', '.join(self.tools) or 'none'}")
         return found(**call.arguments)
+
+    def concurrent(self, call: ToolCall) -> bool:
+        """Whether `call` may run alongside others: its tool says so, or there is no such tool (it only errs)."""
+        found = self.tools.get(call.name)
+        return found is None or found.concurrent

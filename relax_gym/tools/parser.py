@@ -7,12 +7,10 @@ the model can read in its next observation; nothing here raises.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -45,13 +43,20 @@ class ParsedTurn:
         return bool(self.calls or self.errors)
 
 
+def _json_problem(err: Exception) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return err.msg
+    if isinstance(err, RecursionError):
+        return "nesting too deep"
+    return str(err).split(":")[0]  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+
+
 def _parse_block(raw: str) -> ToolCall | ToolCallError:
     body = raw.strip()
     try:
         obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as err:
-        msg = err.msg if isinstance(err, json.JSONDecodeError) else "nesting too deep"
-        return ToolCallError(raw, f"malformed JSON in tool call: {msg}")
+    except (ValueError, RecursionError) as err:  # ValueError: also a number past int's digit limit
+        return ToolCallError(raw, f"malformed JSON in tool call: {_json_problem(err)}")
     if not isinstance(obj, dict):
         return ToolCallError(raw, f"a tool call must be a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -61,8 +66,9 @@ def _parse_block(raw: str) -> ToolCall | ToolCallError:
     if isinstance(args, str):  # some models emit arguments as a JSON-encoded string
         try:
             args = json.loads(args) if args.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
-            return ToolCallError(raw, f'"arguments" of {name!r} is a string that is not valid JSON')
+        except (ValueError, RecursionError) as err:
+            problem = _json_problem(err)
+            return ToolCallError(raw, f'"arguments" of {name!r} is a string that is not valid JSON: {problem}')
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -76,11 +82,16 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     errors: list[ToolCallError] = []
     prose: list[str] = []
     pos = 0
-    for match in _BLOCK.finditer(text):
-        prose.append(text[pos : match.start()])
-        parsed = _parse_block(match.group(1))
+    # str.find, not a lazy regex: `<tool_call>(.*?)</tool_call>` rescans the rest of the text from
+    # every unclosed opening tag, quadratic time on a reply of many `<tool_call>`s.
+    while (start := text.find(OPEN, pos)) >= 0:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end < 0:
+            break
+        prose.append(text[pos:start])
+        parsed = _parse_block(text[start + len(OPEN) : end])
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)  # type: ignore[arg-type]
-        pos = match.end()
+        pos = end + len(CLOSE)
     tail = text[pos:]
     if OPEN in tail:
         cut = tail.index(OPEN)
