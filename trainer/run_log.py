@@ -18,9 +18,9 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from relax_gym.rollout.metrics import status_breakdown
-from relax_gym.trajectory import Trajectory
 from relax_gym.trainer.backends.base import Sample
 from relax_gym.trainer.databus import Group, group_staleness
+from relax_gym.trajectory import Trajectory
 
 
 class RunLog:
