@@ -141,7 +141,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                 console.print(f"  {label}: {s[label]}", highlight=False)
         if s["truncations"].get("max_new_tokens"):
             console.print(f"  [yellow]{s['truncations']['max_new_tokens']} episodes hit --max-new-tokens before "
-                          "ending their turn, so they were not graded (reward 0)[/yellow]")
+                          "ending their turn, so they were not graded (reward 0)[/yellow]", soft_wrap=True)
         if s["rerender_mismatches"]:
             console.print(f"  [yellow]{s['rerender_mismatches']} trajectories differ from a full re-render "
                           "(see metrics.rerender_first_diff_char)[/yellow]")

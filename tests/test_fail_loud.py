@@ -414,3 +414,17 @@ def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_res
         server.wait(30)
     assert summary["resumed_from"] == latest
     assert [r["step"] for r in train_rows(tmp_path / "run")] == list(range(1, latest + 3))
+
+
+def test_a_local_folder_named_like_a_tiny_model_is_not_shadowed(tmp_path, monkeypatch):
+    save_model(load_model(str(WARM_START)), tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert load_model("tiny").name == "tiny"  # the folder, loaded by its path
+    assert load_model("tiny").model.config.vocab_size == load_model(str(WARM_START)).model.config.vocab_size
+
+
+def test_answers_cut_by_max_new_tokens_are_reported_as_ungraded(capsys, tmp_path):
+    code, out = run_cli(capsys, "rollout", "--env", "relax/Arithmetic-v0", "--model", str(WARM_START), "-n", "4",
+                        "--max-new-tokens", "1", "--out", str(tmp_path / "t.jsonl"))
+    assert code == 0, out
+    assert "hit --max-new-tokens before ending their turn, so they were not graded" in out
