@@ -89,14 +89,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         for report in reports:
             mark = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
             idle = f" [yellow]({len(report.not_exercised)} not exercised)[/yellow]" if report.not_exercised else ""
-            console.print(f"{mark} {escape(report.target)}{idle}", highlight=False)
+            console.print(f"{mark} {escape(report.target)}{idle}", highlight=False, soft_wrap=True)
             for r in report.results:
                 detail = escape(r.detail)
                 if r.status == NOT_EXERCISED:  # not a failure, but a check that proved nothing must be seen
                     detail = f"[yellow]not exercised[/yellow]: {detail}"
-                console.print(f"  {marks.get(r.status, '✓')} {escape(r.name)}: {detail}", highlight=False)
+                console.print(f"  {marks.get(r.status, '✓')} {escape(r.name)}: {detail}", highlight=False,
+                              soft_wrap=True)
             for w in report.warnings:
-                console.print(f"  [yellow]warning[/yellow]: {escape(w)}", highlight=False)
+                console.print(f"  [yellow]warning[/yellow]: {escape(w)}", highlight=False, soft_wrap=True)
     return 0 if all(r.passed for r in reports) else 1
 
 
