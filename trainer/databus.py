@@ -89,12 +89,6 @@ class DataBus:
             self._ready.append(group)
             self._changed.notify_all()
 
-    async def cancel_started(self) -> None:
-        """A started group that will never arrive (its task failed before producing a record)."""
-        async with self._changed:
-            self.discarded += 1
-            self._changed.notify_all()
-
     # --- consumer side ----------------------------------------------------------------
     async def take(self) -> list[Group]:
         """The next `groups_per_step` groups that pass the staleness filter and `keep`, oldest first."""

@@ -36,7 +36,7 @@ from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
-from relax_gym.rollout.metrics import _kind, status_breakdown
+from relax_gym.rollout.metrics import reason_kind, status_breakdown
 from relax_gym.rollout.run import make_engine
 from relax_gym.rollout.startup import EnvUse, check_run
 from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
@@ -238,11 +238,8 @@ class Trainer:
 
     async def _connect(self) -> None:
         """An engine server is waited for and resumed (a killed run may have left it paused) before anything."""
-        connect = getattr(self.engine, "connect", None)
-        if connect is None:
-            return
         try:
-            await connect()
+            await self.engine.connect()
         except EngineError as err:
             self.log.close(plot=False)
             await self._close_engine()
@@ -379,7 +376,7 @@ class Trainer:
         self.steps_without_samples = 0 if trained else self.steps_without_samples + 1
         if trained or not trajs:
             return
-        kinds = {_kind(t.status_reason) for t in trajs}
+        kinds = {reason_kind(t.status_reason) for t in trajs}
         if all(t.status == "failed" for t in trajs) and len(kinds) == 1:
             raise RunStopped(f"every episode of step {self.step} failed the same way, so nothing can be learnt: "
                              f"{status_breakdown(trajs)}")

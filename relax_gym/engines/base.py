@@ -100,6 +100,10 @@ class Engine(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def connect(self) -> dict[str, Any]:
+        """Makes the engine ready to serve (waits for a server and resumes it if a killed run left it paused);
+        returns what it knows of its model."""
+
     async def health(self) -> bool: ...
 
     async def close(self) -> None: ...

@@ -305,6 +305,10 @@ class EmbeddedEngine:
             self._paused = False
             self._cond.notify_all()
 
+    async def connect(self) -> dict[str, Any]:
+        """In-process: ready once built."""
+        return {"model_path": self.loaded.name}
+
     async def health(self) -> bool:
         return not self._closed and self._worker.is_alive()
 

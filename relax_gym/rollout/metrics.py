@@ -10,7 +10,7 @@ from typing import Any
 from relax_gym.trajectory import Trajectory
 
 
-def _kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
     """The stable part of a failure reason ("env step raised ValueError: ..." -> "env step raised ValueError")."""
     return reason.split(":", 1)[0] if reason else ""
 
@@ -26,7 +26,7 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
             "episodes": len(trajs),
             "reward_mean": fmean(t.reward for t in trajs),
             "status": dict(Counter(t.status for t in trajs)),
-            "failures": dict(Counter(_kind(t.status_reason) for t in trajs if t.status in ("failed", "aborted"))),
+            "failures": dict(Counter(reason_kind(t.status_reason) for t in trajs if t.status in ("failed", "aborted"))),
             "truncations": dict(Counter(t.status_reason for t in trajs if t.status == "truncated")),
             "turns_mean": fmean(x.get("turns", 0) for x in m),
             "tool_calls_mean": fmean(x.get("tool_calls", 0) for x in m),
@@ -43,10 +43,10 @@ def status_breakdown(trajectories: Iterable[Trajectory], examples: int = 3) -> s
     """One line for a person: how many episodes ended how, and the commonest reasons with one full example each."""
     trajs = list(trajectories)
     statuses = Counter(t.status for t in trajs)
-    reasons = Counter(_kind(t.status_reason) for t in trajs if t.status_reason)
+    reasons = Counter(reason_kind(t.status_reason) for t in trajs if t.status_reason)
     first = {}
     for t in trajs:
-        first.setdefault(_kind(t.status_reason), t.status_reason)
+        first.setdefault(reason_kind(t.status_reason), t.status_reason)
     parts = [f"{len(trajs)} episodes: " + ", ".join(f"{n} {s}" for s, n in statuses.most_common())]
     parts += [f"{n}x {first[k][:200]!r}" for k, n in reasons.most_common(examples)]
     return "; ".join(parts)

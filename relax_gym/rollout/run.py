@@ -64,9 +64,7 @@ async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: s
             done.extend(group_trajs)
 
         try:
-            connect = getattr(engine, "connect", None)
-            if connect is not None:  # a server left paused by a killed run serves again
-                await connect()
+            await engine.connect()  # a server left paused by a killed run serves again
             await manager.run(env_id, n, group, seed=seed, env_kwargs=env_kwargs, on_group=write)
         finally:
             await manager.close()
