@@ -99,7 +99,8 @@ class RunLog:
         self.progress.console.print(text, highlight=False, soft_wrap=True)
 
     def eval(self, version: int, results: dict[str, list[Trajectory]]) -> dict[str, float]:
-        """One eval row; an env whose every episode failed or aborted is reported, not scored as 0."""
+        """One eval row; an env whose every episode failed or aborted gets an `error` beside its (zero) score, so a
+        broken eval is never mistaken for a model that scores 0."""
         scores = {env: fmean(t.reward for t in r) for env, r in results.items() if r}
         broken = {env: status_breakdown(r) for env, r in results.items()
                   if r and all(t.status in ("failed", "aborted") for t in r)}
