@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -204,10 +206,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from relax_gym.engines.server import serve
+    from pydantic import ValidationError
 
-    serve(args.model, host=args.host, port=args.port)
+    from relax_gym.engines.server import serve
+    from relax_gym.engines.server_limits import ServerLimits
+    from relax_gym.errors import StartupError
+
+    given = {name: getattr(args, name) for name in ServerLimits.model_fields if getattr(args, name) is not None}
+    try:
+        limits = ServerLimits(**given)
+    except ValidationError as err:
+        raise StartupError(f"relax-gym serve: {_first_error(err)}") from None
+    serve(args.model, host=args.host, port=args.port, api_key_file=args.api_key_file, limits=limits)
     return 0
+
+
+def _first_error(err: Any) -> str:
+    """A pydantic ValidationError's first problem, as the flag that caused it."""
+    first = err.errors()[0]
+    return f"--{'-'.join(str(p) for p in first['loc']).replace('_', '-')}: {first['msg']}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    from relax_gym.engines.base import API_KEY_ENV
+    from relax_gym.engines.server_limits import ServerLimits
+
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
+                        "required beyond loopback)")
+    for name, field in ServerLimits.model_fields.items():
+        kind = int if field.annotation is int or int in typing.get_args(field.annotation) else float
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=kind.__name__.upper(),
+                       help=f"{field.description} (default {field.default})")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -1,12 +1,23 @@
-"""Helpers shared by the engine tests: requests as the rollout manager builds them, and the
-teacher-forced logprobs the trainer would recompute for what an engine generated."""
+"""Helpers shared by the engine tests: requests as the rollout manager builds them, the
+teacher-forced logprobs the trainer would recompute for what an engine generated, and a served engine."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
 import torch
+import uvicorn
 
 from relax_gym import messages as M
+from relax_gym.engines import EmbeddedEngine, ServerLimits, create_app
 from relax_gym.engines.base import GenerateRequest, SamplingParams
+from relax_gym.engines.server import uvicorn_config
 from relax_gym.models import MEDIA_KEYS, LoadedModel, processor_inputs, sequence_inputs
 
 
@@ -30,3 +41,45 @@ def teacher_forced(loaded: LoadedModel, request: GenerateRequest, output_ids: li
         logits = loaded.model(**sequence_inputs(loaded, request.input_ids + output_ids, media)).logits[0].float()
     scaled = logits[len(request.input_ids) - 1 : -1] / (request.sampling.temperature or 1.0)
     return scaled.log_softmax(-1).gather(1, torch.tensor(output_ids)[:, None]).squeeze(1)
+
+
+KEY = "test-key"  # every server here is started with it, every client sends it
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def post(url: str, **kwargs) -> httpx.Response:
+    return httpx.post(url, headers=AUTH, **kwargs)
+
+
+def get(url: str, **kwargs) -> httpx.Response:
+    return httpx.get(url, headers=AUTH, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(
+    loaded: LoadedModel, port: int | None = None, limits: ServerLimits | None = None, **engine_kwargs
+) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """`create_app` under uvicorn (as `serve` configures it) in a background thread on loopback."""
+    limits = limits or ServerLimits()
+    engine = EmbeddedEngine(loaded, **engine_kwargs)
+    port = port or free_port()
+    app = create_app(engine, api_key=KEY, limits=limits)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        asyncio.run(engine.close())

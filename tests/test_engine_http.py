@@ -8,21 +8,18 @@ import base64
 import importlib.util
 import io
 import logging
-import socket
+import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
 import pytest
 import soundfile
 import torch
-import uvicorn
-from engine_support import make_request, teacher_forced
+from engine_support import AUTH, KEY, free_port, get, make_request, post, serving, teacher_forced
 from PIL import Image
 
 from relax_gym import messages as M
@@ -33,22 +30,13 @@ from relax_gym.engines import (
     RequestError,
     SamplingParams,
     SGLangEngine,
-    create_app,
     launch_sglang_server,
 )
-from relax_gym.engines.base import EngineUnavailableError
+from relax_gym.engines.base import API_KEY_ENV, EngineUnavailableError
 from relax_gym.engines.sglang import backoff_delay, png_data_url, wav_data_url
 from relax_gym.models import LoadedModel, load_model, save_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _chaotic(name: str) -> LoadedModel:
     """A tiny model with N(0, 0.3) matrices, so greedy outputs vary from token to token (deterministic)."""
     loaded = load_model(name)
@@ -60,33 +48,13 @@ def _chaotic(name: str) -> LoadedModel:
     return loaded
 
 
-@contextmanager
-def _serving(loaded: LoadedModel, port: int | None = None) -> Iterator[tuple[str, EmbeddedEngine]]:
-    """`create_app` under uvicorn in a background thread on loopback (a free port unless given)."""
-    engine = EmbeddedEngine(loaded)
-    port = port or _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        asyncio.run(engine.close())
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[dict[str, tuple[str, EmbeddedEngine]]]:
     """One server per tiny model (chaotic weights), for the tests that do not change weights."""
     with (
-        _serving(_chaotic("tiny")) as text,
-        _serving(_chaotic("tiny-vl")) as vl,
-        _serving(_chaotic("tiny-audio")) as audio,
+        serving(_chaotic("tiny")) as text,
+        serving(_chaotic("tiny-vl")) as vl,
+        serving(_chaotic("tiny-audio")) as audio,
     ):
         yield {"tiny": text, "tiny-vl": vl, "tiny-audio": audio}
 
@@ -114,7 +82,7 @@ def _media_conversation(name: str) -> list[M.Message]:
 
 
 async def _with_client(url: str, use, **kwargs):
-    client = SGLangEngine(url, **{"timeout_s": 30.0, **kwargs})
+    client = SGLangEngine(url, **{"timeout_s": 30.0, "api_key": KEY, **kwargs})
     try:
         return await use(client)
     finally:
@@ -168,7 +136,7 @@ def test_generate_answers_sglangs_schema(servers, references, tmp_path):
         "return_logprob": True,
         "rid": "req-1",
     }
-    answer = httpx.post(f"{servers['tiny']}/generate", json=body, timeout=30).json()
+    answer = post(f"{servers['tiny']}/generate", json=body, timeout=30).json()
     ids = answer["output_ids"]
     first = next(k for k in range(len(local.output_ids)) if stop in loaded.tokenizer.decode(local.output_ids[: k + 1]))
     assert ids == local.output_ids[: first + 1]
@@ -185,26 +153,25 @@ def test_generate_answers_sglangs_schema(servers, references, tmp_path):
         "text": "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n",
         "sampling_params": {"temperature": 0, "max_new_tokens": 12},
     }
-    answer = httpx.post(f"{servers['tiny']}/generate", json=by_text, timeout=30).json()
+    answer = post(f"{servers['tiny']}/generate", json=by_text, timeout=30).json()
     assert answer["output_ids"] == local.output_ids
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     assert "output_token_logprobs" not in answer["meta_info"]
 
 
 @pytest.mark.timeout(60)
-def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, tmp_path):
+def test_media_as_data_urls_bare_base64_and_text_prompts(servers, references):
     loaded = references["tiny-vl"]
     request = make_request(loaded, _media_conversation("tiny-vl"), GREEDY)
     local = _in_process(loaded, request)
     first, second = request.images
-    first.save(tmp_path / "first.png")
     bare = png_data_url(second).partition(",")[2]
     body = {
         "input_ids": request.input_ids,
-        "image_data": [str(tmp_path / "first.png"), bare],
+        "image_data": [png_data_url(first), bare],
         "sampling_params": {"temperature": 0, "max_new_tokens": 12},
     }
-    assert httpx.post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()["output_ids"] == local.output_ids
+    assert post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()["output_ids"] == local.output_ids
     # A text prompt with one placeholder per image is expanded by the server's processor.
     text = (
         "<|im_start|>user\nCompare<|vision_start|><|image_pad|><|vision_end|>with"
@@ -212,7 +179,7 @@ def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, 
     )
     body = {**body, "text": text}
     del body["input_ids"]
-    answer = httpx.post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()
+    answer = post(f"{servers['tiny-vl']}/generate", json=body, timeout=30).json()
     assert answer["output_ids"] == local.output_ids and answer["meta_info"]["prompt_tokens"] == len(request.input_ids)
 
     audio = references["tiny-audio"]
@@ -222,7 +189,7 @@ def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, 
         "audio_data": wav_data_url(*clip.audios[0]),
         "sampling_params": {"temperature": 0, "max_new_tokens": 12},
     }
-    answer = httpx.post(f"{servers['tiny-audio']}/generate", json=body, timeout=30).json()
+    answer = post(f"{servers['tiny-audio']}/generate", json=body, timeout=30).json()
     assert answer["output_ids"] == _in_process(audio, clip).output_ids
 
 
@@ -241,8 +208,9 @@ def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, 
         ("/generate", {"input_ids": [1, 10**7]}, "input_ids: [10000000] outside the vocabulary"),
         ("/generate", {"input_ids": [1], "image_data": ["data:image/png;base64,!!!"]}, "image_data[0]"),
         ("/generate", {"input_ids": [1], "image_data": [base64.b64encode(b"nope").decode()]}, "image_data[0]"),
-        ("/generate", {"input_ids": [1], "image_data": ["https://example.com/a.png"]}, "image_data[0]: URLs"),
+        ("/generate", {"input_ids": [1], "image_data": ["https://example.com/a.png"]}, "only inline media"),
         ("/generate", {"input_ids": [1], "audio_data": ["/no/such/file.wav"]}, "audio_data[0]"),
+        ("/generate", {"input_ids": [1], "image_data": ["/etc/hostname"]}, "server paths are not read"),
         ("/update_weights_from_disk", {}, "model_path: Field required"),
         ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v2"}, "weight_version"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_b64"),
@@ -251,7 +219,7 @@ def test_media_as_local_paths_bare_base64_and_text_prompts(servers, references, 
     ],
 )
 def test_malformed_requests_get_400_naming_the_field(servers, route, body, field):
-    response = httpx.post(f"{servers['tiny']}{route}", json=body, timeout=30)
+    response = post(f"{servers['tiny']}{route}", json=body, timeout=30)
     assert response.status_code == 400, response.text
     message = response.json().get("error", {}).get("message") or response.json().get("message")
     assert field in message, message
@@ -293,7 +261,7 @@ def test_weight_updates_from_disk_and_tensors(tmp_path):
     request = make_request(trained, [M.user("What is 6*7?")], SamplingParams(temperature=0, max_new_tokens=16))
     expected = _in_process(trained, request)
 
-    with _serving(_chaotic("tiny")) as (url, engine):
+    with serving(_chaotic("tiny")) as (url, engine):
 
         async def use(client: SGLangEngine):
             before = await client.generate(request)
@@ -323,7 +291,7 @@ def test_pause_continue_health_and_info(servers):
         held = asyncio.create_task(client.generate(GenerateRequest([5, 6], GREEDY)))
         await asyncio.sleep(0.3)
         assert not held.done()
-        async with httpx.AsyncClient(base_url=url) as raw:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
             assert (await raw.get("/health_generate")).status_code == 503
             assert (await raw.get("/get_server_info")).json()["paused"] is True
         await client.resume()
@@ -332,10 +300,10 @@ def test_pause_continue_health_and_info(servers):
         return out
 
     assert len(asyncio.run(_with_client(url, use)).output_ids) == GREEDY.max_new_tokens
-    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
-    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    assert get(f"{url}/health_generate", timeout=30).status_code == 200
+    info = get(f"{url}/get_server_info", timeout=30).json()
     assert info["backend"].startswith("relax_gym embedded") and info["max_batch_size"] == 32
-    assert httpx.get(f"{servers['tiny-vl']}/get_model_info", timeout=30).json()["has_image_understanding"]
+    assert get(f"{servers['tiny-vl']}/get_model_info", timeout=30).json()["has_image_understanding"]
 
 
 # --- `serve` itself, then a stopped server -----------------------------------------------------
@@ -346,10 +314,11 @@ def test_serve_in_a_subprocess_then_a_stopped_server_raises(tmp_path, references
     """`serve` on a saved checkpoint folder answers like the in-process engine; once it is stopped
     the client raises an EngineError naming the URL, within its retry budget."""
     save_model(references["tiny"], tmp_path / "model")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     code = f"from relax_gym.engines import serve; serve({str(tmp_path / 'model')!r}, port={port})"
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, API_KEY_ENV: KEY})
     request = make_request(references["tiny"], [M.user("Hello")], GREEDY)
     try:
 
@@ -391,7 +360,7 @@ def test_launcher_says_when_sglang_is_missing():
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: tests/test_sglang_real.py launches it")
     with pytest.raises(EngineError, match="sglang is not installed"):
-        launch_sglang_server("/nowhere", _free_port())
+        launch_sglang_server("/nowhere", free_port())
 
 
 # --- outages, the connection pool, a server left paused ------------------------------------------
@@ -441,11 +410,11 @@ def test_an_outage_is_waited_out_until_the_server_comes_back(caplog):
     answers, with one warning when the outage starts and one when it ends."""
     caplog.set_level(logging.WARNING, logger="relax_gym.engines")
     loaded = load_model("tiny")
-    port = _free_port()
+    port = free_port()
     request = GenerateRequest([5, 6, 7], GREEDY)
 
     async def use(client: SGLangEngine):
-        first = _serving(loaded, port)
+        first = serving(loaded, port)
         await asyncio.to_thread(first.__enter__)
         before = await client.generate(request)
         await asyncio.to_thread(first.__exit__, None, None, None)
@@ -453,7 +422,7 @@ def test_an_outage_is_waited_out_until_the_server_comes_back(caplog):
         waiting = asyncio.create_task(client.generate(request))
         await _until(lambda: len(sent) >= 4 or waiting.done(), "4 attempts on the stopped server")
         assert not waiting.done(), waiting.exception()
-        second = _serving(loaded, port)
+        second = serving(loaded, port)
         await asyncio.to_thread(second.__enter__)
         try:
             after = await asyncio.wait_for(waiting, 30)
@@ -477,7 +446,7 @@ def test_an_outage_longer_than_its_budget_raises_unavailable(caplog):
     """Past `outage_timeout_s` the error names the server, the route, the time waited and the last error;
     the retries in between log nothing more."""
     caplog.set_level(logging.WARNING, logger="relax_gym.engines")
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
 
     async def use(client: SGLangEngine):
         sent = _counting(client)
@@ -500,7 +469,7 @@ def test_an_outage_longer_than_its_budget_raises_unavailable(caplog):
 @pytest.mark.timeout(60)
 def test_cancelling_a_call_that_waits_out_an_outage_ends_it():
     """Ctrl-C cancels the main task: the retry loop must not swallow the cancellation."""
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
 
     async def use(client: SGLangEngine):
         sent = _counting(client)
@@ -543,7 +512,7 @@ def test_connect_resumes_a_server_left_paused(servers):
     url = servers["tiny"]
 
     def paused() -> bool:
-        return httpx.get(f"{url}/get_server_info", timeout=30).json()["paused"]
+        return get(f"{url}/get_server_info", timeout=30).json()["paused"]
 
     async def killed_trainer(client: SGLangEngine):
         await client.pause()
@@ -557,5 +526,5 @@ def test_connect_resumes_a_server_left_paused(servers):
         assert paused()
         info, still_paused, out = asyncio.run(_with_client(url, next_run))
     finally:
-        httpx.post(f"{url}/continue_generation", timeout=30)
+        post(f"{url}/continue_generation", timeout=30)
     assert info["model_path"] == "tiny" and not still_paused and len(out.output_ids) == GREEDY.max_new_tokens

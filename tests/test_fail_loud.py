@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from relax_gym.cli import main
+from relax_gym.engines.base import API_KEY_ENV
 from relax_gym.models import load_model, save_model
 from relax_gym.registration import env_class, import_env_source
 from relax_gym.trainer.config import load_config
@@ -374,7 +375,10 @@ def _serve(port: int) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(600)
-def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_resumes_on_a_paused_server(tmp_path):
+def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_resumes_on_a_paused_server(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(API_KEY_ENV, "test-key")  # the servers, the trainer subprocess and the client all read it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -406,7 +410,8 @@ def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_res
 
     server = _serve(port)  # a fresh server, left paused as a killed trainer would leave it
     try:
-        httpx.post(f"http://127.0.0.1:{port}/pause_generation", json={"mode": "in_place"}, timeout=10)
+        httpx.post(f"http://127.0.0.1:{port}/pause_generation", json={"mode": "in_place"}, timeout=10,
+                   headers={"Authorization": "Bearer test-key"})
         summary = train(load_config(cfg, [f"trainer.total_steps={latest + 2}"]))
     finally:
         server.kill()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from relax_gym.engines.base import EngineError, EngineUnavailableError, SamplingParams
+from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError, SamplingParams
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
@@ -458,7 +458,11 @@ class Trainer:
         self.log.truncate_after(step)
         self.log.note(f"resuming {self.run_dir} from step {step} ({self.checkpoints.folder(step)}); "
                       f"{len(self.reissue)} unfinished tasks are played first")
-        await self._push_weights()  # the engine was built from the initial weights
+        try:
+            await self._push_weights()  # the engine was built from the initial weights
+        except RequestError as err:  # e.g. a server still holding newer weights from before the crash
+            raise StartupError(f"rollout.engine_url {self.cfg.rollout.engine_url}: the checkpoint's weights (step "
+                               f"{step}) were refused: {err}; restart the engine server") from None
 
 
 async def _finish_step(step: Any) -> None:

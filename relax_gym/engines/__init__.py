@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from relax_gym.engines.base import (
+    API_KEY_ENV,
     Engine,
     EngineError,
     FinishReason,
@@ -26,9 +27,11 @@ _LAZY = {
     "launch_sglang_server": "relax_gym.engines.sglang",
     "create_app": "relax_gym.engines.server",
     "serve": "relax_gym.engines.server",
+    "ServerLimits": "relax_gym.engines.server_limits",
 }
 
 __all__ = [
+    "API_KEY_ENV",
     "EmbeddedEngine",
     "Engine",
     "EngineError",
@@ -39,6 +42,7 @@ __all__ = [
     "SGLangEngine",
     "SGLangServer",
     "SamplingParams",
+    "ServerLimits",
     "create_app",
     "launch_sglang_server",
     "serve",

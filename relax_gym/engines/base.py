@@ -17,6 +17,10 @@ from PIL import Image
 FinishReason = Literal["stop", "length", "abort"]
 
 
+#: the environment variable `relax-gym serve` and `SGLangEngine` read the server's API key from
+API_KEY_ENV = "RELAX_GYM_API_KEY"
+
+
 class EngineError(RuntimeError):
     """The engine failed or is unreachable; the message says which and where."""
 

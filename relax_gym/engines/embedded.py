@@ -81,12 +81,14 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
         loop.call_soon_threadsafe(complete)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the deque of queued jobs is searched for one
 class _Job:
     request: GenerateRequest
     media: dict[str, torch.Tensor]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    #: set past the caller's deadline: the row ends with "abort" at its next step, keeping what it generated
+    aborted: bool = False
 
     def resolve(self, value: GenerateOutput | BaseException) -> None:
         _resolve(self.loop, self.future, value)
@@ -265,7 +267,9 @@ class EmbeddedEngine:
     def paused(self) -> bool:
         return self._paused
 
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateOutput:
+        """`timeout_s` bounds the wait: past it the request ends with finish_reason "abort" and the tokens
+        it has so far (none if it was still queued). Cancelling the call drops the request at its next step."""
         self._check_open()
         self._validate(request)
         if request.sampling.max_new_tokens == 0:
@@ -277,7 +281,26 @@ class EmbeddedEngine:
             self._check_open()
             self._jobs.append(job)
             self._cond.notify_all()
-        return await job.future
+        if timeout_s is None:
+            return await job.future  # cancelling the call cancels the future
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
+        except TimeoutError:
+            self._abort(job)
+            return await job.future
+        except asyncio.CancelledError:
+            job.future.cancel()
+            raise
+
+    @property
+    def context_length(self) -> int | None:
+        """The most tokens (prompt and output) the model takes, from its config; None if it does not say."""
+        config = self.model.config
+        for source in (config, getattr(config, "text_config", None)):
+            value = getattr(source, "max_position_embeddings", None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """Copies `weights` (a state dict, or an HF folder of *.safetensors) into the model between
@@ -353,6 +376,16 @@ class EmbeddedEngine:
         found = {getattr(source, name, None) for source in sources for name in names}
         return tuple(sorted(i for i in found if isinstance(i, int) and 0 <= i < self.vocab_size))
 
+    def _abort(self, job: _Job) -> None:
+        """Ends `job`: at once if it is still queued, else at its batch's next step (see `_BatchDecoder`)."""
+        with self._cond:
+            job.aborted = True
+            queued = job in self._jobs
+            if queued:
+                self._jobs.remove(job)
+        if queued:
+            job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"the embedded engine for {self.loaded.name!r} is closed")
@@ -402,13 +435,8 @@ class EmbeddedEngine:
             name = key if key in targets else self._checkpoint_names.get(key)
             if name is None:
                 raise RequestError(f"update_weights: {key!r} is not a parameter of {self.loaded.name!r}")
-            if not isinstance(value, torch.Tensor):
-                raise RequestError(f"update_weights: {key!r} is a {type(value).__name__}, not a tensor")
-            if value.shape != targets[name].shape:
-                raise RequestError(
-                    f"update_weights: {key!r} has shape {tuple(value.shape)}, "
-                    f"the model's is {tuple(targets[name].shape)}"
-                )
+            if problem := _weight_problem(value, targets[name]):
+                raise RequestError(f"update_weights: {key!r} {problem}")
             checked[name] = value
         return checked
 
@@ -518,7 +546,7 @@ class EmbeddedEngine:
             device=self.device,
             generator=self._generator,
             decode=functools.partial(self.loaded.tokenizer.decode, skip_special_tokens=False),
-            aborted=lambda i: self._closed or jobs[i].future.cancelled(),
+            aborted=lambda i: self._closed or jobs[i].aborted or jobs[i].future.cancelled(),
             never=self.placeholder_token_ids,
         )
         config = GenerationConfig(
@@ -566,6 +594,22 @@ class EmbeddedEngine:
             value = torch.cat([torch.as_tensor(row[key]) for row in media if key in row])
             inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value
         return {k: v.to(self.device) for k, v in inputs.items()}
+
+
+def _weight_problem(value: Any, target: torch.Tensor) -> str | None:
+    """Why `value` cannot be copied into `target`: not a tensor, another shape, a dtype that is not the same
+    kind (a float cast to another float is fine), or a value that is not finite. None if it can."""
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if value.shape != target.shape:
+        return f"has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
+    if value.is_floating_point() != target.is_floating_point() or (
+        not target.is_floating_point() and value.dtype != target.dtype
+    ):
+        return f"has dtype {value.dtype}, the model's is {target.dtype}"
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        return "holds NaN or infinite values"
+    return None
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:

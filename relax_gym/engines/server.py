@@ -8,38 +8,66 @@ share one served model. What differs from SGLang, by necessity:
   `input_ids` must already hold the expanded image / audio placeholders, as
   `relax_gym.models.render` gives them. Only output logprobs are returned
   (`logprob_start_len` is accepted, input logprobs are not computed).
-  `image_data` / `audio_data` items are data URLs, bare base64 or local paths.
+  `image_data` / `audio_data` items are data URLs or bare base64, never server paths.
 - `/update_weights_from_tensor` takes `{"safetensors_b64": <base64 of a
   safetensors file>, "weight_version": ...}`: SGLang's own payload is pickled
   CUDA IPC handles, meaningless across processes without its runtime.
 - `/update_weights_from_distributed` answers 501: there is no NCCL group here.
 - `/pause_generation` lets the running batch finish; queued requests wait.
-- `weight_version` is a string of the engine's integer version, as SGLang's is a string.
+- `weight_version` is a string of the engine's integer version, as SGLang's is a
+  string; here it only goes up (an update with an older version is refused).
+
+What it guards against (see `server_guard` for the limits and their defaults):
+every route but health and model info needs the API key as a bearer token; a
+request is refused with a 4xx naming its field before it costs the server
+more than its body (a prompt or `max_new_tokens` past the context, media past
+their pixel / duration caps, non-finite or out-of-range numbers, text that is
+not UTF-8); a request that runs past `request_timeout_s` ends with finish_reason
+"abort", one whose client goes away is dropped; past `max_pending` requests
+the answer is 503 with Retry-After; weight updates are checked whole (names,
+shapes, dtypes, finite values) before they touch the model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
-import io
+import logging
+import math
+import os
+import secrets
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
-import soundfile
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
 
 from relax_gym import __version__
-from relax_gym.engines.base import EngineError, GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.base import (
+    API_KEY_ENV,
+    EngineError,
+    GenerateOutput,
+    GenerateRequest,
+    RequestError,
+    SamplingParams,
+)
 from relax_gym.engines.embedded import EmbeddedEngine
+from relax_gym.engines.server_guard import Guard, protocol_class
+from relax_gym.engines.server_limits import ServerLimits, is_loopback
+from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
+from relax_gym.errors import StartupError
+
+logger = logging.getLogger("relax_gym.engines")
+T = TypeVar("T")
 
 # SGLang sampling params accepted only at their neutral value: anything else would be silently ignored.
 NEUTRAL_SAMPLING = {
@@ -52,24 +80,40 @@ NEUTRAL_SAMPLING = {
     "ignore_eos": False,
     "spaces_between_special_tokens": True,
 }
+MAX_STOPS = 32
+MAX_STOP_CHARS = 256
+#: media decoded at once: each decode holds a full-size image, so this bounds their memory together
+MEDIA_DECODERS = 2
 
 
 class BadRequest(ValueError):
     """A request field that cannot be used; answered with 400 and this message."""
 
 
+def _utf8(value: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which no tokenizer or encoder takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not valid UTF-8 text (a lone surrogate at position {err.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
 class SamplingIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(128, ge=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _only_neutral_extras(self) -> SamplingIn:
@@ -78,30 +122,34 @@ class SamplingIn(BaseModel):
                 raise ValueError(f"unknown sampling parameter {name!r}")
             if value != NEUTRAL_SAMPLING[name]:
                 raise ValueError(f"{name}={value!r} is not supported (only {NEUTRAL_SAMPLING[name]!r})")
+        stops = _listed(self.stop)
+        if len(stops) > MAX_STOPS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+            raise ValueError(f"stop: at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
         return self
 
     def to_params(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             max_new_tokens=self.max_new_tokens,
-            stop=tuple(stop),
+            stop=tuple(_listed(self.stop)),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             seed=self.sampling_seed,
         )
 
 
 class GenerateIn(BaseModel):
-    text: str | None = None
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    text: Text | None = None
     input_ids: list[int] | None = None
     image_data: str | list[str] | None = None
     audio_data: str | list[str] | None = None
     sampling_params: SamplingIn = Field(default_factory=SamplingIn)
     return_logprob: bool = False
     logprob_start_len: int = -1
-    rid: str | None = None
+    rid: Annotated[Text, Field(max_length=256)] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
@@ -114,53 +162,29 @@ class GenerateIn(BaseModel):
 
 
 class UpdateFromDiskIn(BaseModel):
-    model_path: str
-    weight_version: int | str | None = None
+    model_path: Text
+    weight_version: int | Text | None = None
 
 
 class UpdateFromTensorIn(BaseModel):
     safetensors_b64: str | None = None
     serialized_named_tensors: Any = None
-    weight_version: int | str | None = None
+    weight_version: int | Text | None = None
 
 
 class PauseIn(BaseModel):
-    mode: str = "in_place"
+    mode: Text = "in_place"
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
-def _media_bytes(item: str, where: str) -> bytes:
-    """A data URL, bare base64 or a local path, as bytes."""
-    if item.startswith(("http://", "https://")):
-        raise BadRequest(f"{where}: URLs are not fetched by this server; send base64 or a local path")
-    if item.startswith("data:"):
-        item = item.partition(",")[2]
-    elif len(item) < 4096 and Path(item).is_file():
-        return Path(item).read_bytes()
-    try:
-        return base64.b64decode(item, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise BadRequest(f"{where}: not a data URL, base64 or an existing local file") from err
-
-
-def _image(item: str, where: str) -> Image.Image:
-    try:
-        image = Image.open(io.BytesIO(_media_bytes(item, where)))
-        image.load()
-    except OSError as err:
-        raise BadRequest(f"{where}: cannot decode an image: {err}") from err
-    return image
-
-
-def _audio(item: str, where: str) -> tuple[np.ndarray, int]:
-    try:
-        wave, rate = soundfile.read(io.BytesIO(_media_bytes(item, where)), dtype="float32")
-    except (soundfile.LibsndfileError, RuntimeError, TypeError) as err:
-        raise BadRequest(f"{where}: cannot decode audio (WAV, FLAC or OGG expected): {err}") from err
-    return (wave.mean(axis=1) if wave.ndim == 2 else wave), int(rate)
+def _field_error(err: dict[str, Any]) -> str:
+    """One validation error as "field.path: problem" (the body itself when it is not a JSON object)."""
+    if err["type"] == "json_invalid":
+        return f"body: not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})"
+    return f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
 
 
 def _listed(value: str | list[str] | None) -> list[str]:
@@ -168,33 +192,71 @@ def _listed(value: str | list[str] | None) -> list[str]:
 
 
 def _version(value: int | str | None, current: int) -> int:
+    """The update's integer version: given, or one past `current`; never below `current`."""
     if value is None:
         return current + 1
-    if isinstance(value, int) or value.strip().lstrip("-").isdigit():
-        return int(value)
-    raise BadRequest(f"weight_version: expected an integer (or a string of one), got {value!r}")
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest(f"weight_version: expected a non-negative integer (or a string of one), got {value!r}")
+    if value < current:
+        raise BadRequest(f"weight_version: {value} is older than the served weights' {current}; versions only go "
+                         "up (restart the server to serve older weights)")
+    return value
 
 
-def _decode_media(body: GenerateIn) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]]]:
-    images = [_image(x, f"image_data[{i}]") for i, x in enumerate(_listed(body.image_data))]
-    audios = [_audio(x, f"audio_data[{i}]") for i, x in enumerate(_listed(body.audio_data))]
-    return images, audios
+def _decode_media(body: GenerateIn, limits: ServerLimits) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]]]:
+    images, audios = _listed(body.image_data), _listed(body.audio_data)
+    if len(images) + len(audios) > limits.max_media_items:
+        raise BadRequest(f"image_data, audio_data: {len(images) + len(audios)} items, over the server's limit of "
+                         f"{limits.max_media_items} (max_media_items)")
+    try:
+        return (
+            [decode_image(x, f"image_data[{i}]", max_pixels=limits.max_image_pixels) for i, x in enumerate(images)],
+            [decode_audio(x, f"audio_data[{i}]", max_seconds=limits.max_audio_s) for i, x in enumerate(audios)],
+        )
+    except MediaError as err:
+        raise BadRequest(str(err)) from None
 
 
-async def _to_request(engine: EmbeddedEngine, body: GenerateIn) -> GenerateRequest:
-    images, audios = await asyncio.to_thread(_decode_media, body)
-    if body.input_ids is not None:
-        return GenerateRequest(body.input_ids, body.sampling_params.to_params(), images, audios, rid=body.rid)
-    ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios)
-    return GenerateRequest(ids, body.sampling_params.to_params(), images, audios, media or None, body.rid)
+def _check_length(prompt: int, max_new_tokens: int, context: int | None, field: str) -> None:
+    """SGLang's rule: the prompt and the tokens asked for must fit in the model's context."""
+    if context is None:
+        return
+    if prompt >= context:
+        raise BadRequest(f"{field}: the prompt has {prompt} tokens, the model's context is {context}")
+    if prompt + max_new_tokens > context:
+        raise BadRequest(f"sampling_params.max_new_tokens: {max_new_tokens} does not fit: the prompt has {prompt} "
+                         f"tokens and the model's context is {context}, so at most {context - prompt}")
 
 
-def _finish_reason(engine: EmbeddedEngine, out: GenerateOutput, params: SamplingParams) -> dict[str, Any]:
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None once the client has disconnected (then `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else None
+
+
+def _finish_reason(
+    engine: EmbeddedEngine, out: GenerateOutput, params: SamplingParams, timeout_s: float
+) -> dict[str, Any]:
     """SGLang's finish_reason object: what matched for "stop", the length for "length"."""
     if out.finish_reason == "length":
         return {"type": "length", "length": len(out.output_ids)}
     if out.finish_reason == "abort":
-        return {"type": "abort", "message": "aborted: the engine closed or the request was cancelled"}
+        message = f"aborted: the request ran past the server's request_timeout_s ({timeout_s:g} s) or it closed"
+        return {"type": "abort", "message": message}
     last = out.output_ids[-1]
     if last in engine.eos_token_ids or last in params.stop_token_ids:
         return {"type": "stop", "matched": last}
@@ -202,9 +264,11 @@ def _finish_reason(engine: EmbeddedEngine, out: GenerateOutput, params: Sampling
     return {"type": "stop", "matched": next((s for s in params.stop if s in text), None)}
 
 
-def _answer(engine: EmbeddedEngine, body: GenerateIn, out: GenerateOutput, started: float) -> dict[str, Any]:
+def _answer(
+    engine: EmbeddedEngine, body: GenerateIn, out: GenerateOutput, started: float, timeout_s: float
+) -> dict[str, Any]:
     params = body.sampling_params.to_params()
-    finish = _finish_reason(engine, out, params)
+    finish = _finish_reason(engine, out, params, timeout_s)
     tokenizer = engine.loaded.tokenizer
     text = tokenizer.decode(out.output_ids, skip_special_tokens=body.sampling_params.skip_special_tokens)
     if isinstance(finish.get("matched"), str) and not body.sampling_params.no_stop_trim:
@@ -223,17 +287,21 @@ def _answer(engine: EmbeddedEngine, body: GenerateIn, out: GenerateOutput, start
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
 
-def create_app(engine: EmbeddedEngine) -> FastAPI:
-    """SGLang's native routes over `engine`; the caller owns (and closes) the engine."""
+def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLimits | None = None) -> FastAPI:
+    """SGLang's native routes over `engine` (the caller owns and closes it), behind `Guard`.
+
+    `api_key=None` turns authentication off: only for a process whose port no one else can reach."""
+    limits = limits or ServerLimits()
     app = FastAPI(title="relax_gym embedded engine (SGLang-native API)")
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
     name = engine.loaded.name
+    context = limits.context_length or engine.context_length
+    decoders = asyncio.Semaphore(MEDIA_DECODERS)
+    pending = 0
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        fields = [
-            f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}" for err in exc.errors()
-        ]
-        return _error(400, "; ".join(fields))
+        return _error(400, "; ".join(_field_error(err) for err in exc.errors()))
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
@@ -244,11 +312,35 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
         status = 400 if isinstance(exc, RequestError) else 500 if await engine.health() else 503
         return _error(status, str(exc))
 
+    async def to_request(body: GenerateIn) -> GenerateRequest:
+        params = body.sampling_params.to_params()
+        if body.input_ids is not None:
+            _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
+        async with decoders:
+            images, audios = await asyncio.to_thread(_decode_media, body, limits)
+        if body.input_ids is not None:
+            return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid)
+        ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios)
+        _check_length(len(ids), params.max_new_tokens, context, "text")
+        return GenerateRequest(ids, params, images, audios, media or None, body.rid)
+
     @app.post("/generate")
-    async def generate(body: GenerateIn) -> dict[str, Any]:
-        started = time.perf_counter()
-        out = await engine.generate(await _to_request(engine, body))
-        return _answer(engine, body, out, started)
+    async def generate(body: GenerateIn, request: Request) -> Any:
+        nonlocal pending
+        if pending >= limits.max_pending:
+            return _error(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
+                          {"Retry-After": "1"})
+        pending += 1
+        try:
+            started = time.perf_counter()
+            out = await _unless_gone(
+                request, engine.generate(await to_request(body), timeout_s=limits.request_timeout_s)
+            )
+            if out is None:
+                return Response(status_code=499)  # nobody reads it: the client has gone
+            return _answer(engine, body, out, started, limits.request_timeout_s)
+        finally:
+            pending -= 1
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDiskIn) -> JSONResponse:
@@ -270,7 +362,7 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
     async def _update(weights: Any, version: int | str | None) -> JSONResponse:
         try:
             await engine.update_weights(weights, _version(version, engine.weight_version))
-        except RequestError as err:
+        except (RequestError, BadRequest) as err:
             return JSONResponse({"success": False, "message": str(err)}, status_code=400)
         message = f"Succeeded to update model weights (weight_version {engine.weight_version})."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
@@ -306,10 +398,17 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> PlainTextResponse:
+        """One token within `health_timeout_s`, else 503: a busy (or stuck) engine is not healthy."""
         if engine.paused:
             return PlainTextResponse("generation is paused", status_code=503)
         probe = GenerateRequest([engine.pad_token_id], SamplingParams(temperature=0, max_new_tokens=1))
-        await asyncio.wait_for(engine.generate(probe), timeout=60)
+        try:
+            await asyncio.wait_for(engine.generate(probe), timeout=limits.health_timeout_s)
+        except TimeoutError:
+            return PlainTextResponse(f"no token generated within {limits.health_timeout_s:g} s (health_timeout_s)",
+                                     status_code=503)
+        except EngineError as err:
+            return PlainTextResponse(f"generation failed: {err}", status_code=503)
         return PlainTextResponse("")
 
     @app.get("/get_model_info")
@@ -324,6 +423,7 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             "has_image_understanding": "image" in modalities,
             "has_audio_understanding": "audio" in modalities,
             "modalities": list(modalities),
+            "context_length": context,
         }
 
     @app.get("/get_server_info")
@@ -337,19 +437,70 @@ def create_app(engine: EmbeddedEngine) -> FastAPI:
             "max_batch_size": engine.max_batch_size,
             "paused": engine.paused,
             "weight_version": str(engine.weight_version),
+            "pending_requests": pending,
+            "limits": limits.model_dump(),
         }
 
     return app
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *, device: str = "cpu", **engine_kwargs: Any) -> None:
-    """Loads `model` (a tiny model name or a local HF folder) and serves it until interrupted."""
-    import uvicorn
+def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app` under `limits`: the read deadline, connection cap and SIGTERM drain."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_class(limits.read_timeout_s),
+        limit_concurrency=limits.max_connections,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=math.ceil(limits.drain_timeout_s),
+        **kwargs,
+    )
 
+
+def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tuple[str, bool]:
+    """The API key from `key_file` or the environment, else a new one (only on loopback); and whether
+    it was generated. Not a command-line value: other users of the machine can read those in `ps`."""
+    if key_file is not None:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as err:
+            raise StartupError(f"--api-key-file {key_file}: {err.strerror or err}") from None
+        if not key:
+            raise StartupError(f"--api-key-file {key_file}: the file is empty")
+        return key, False
+    if key := os.environ.get(API_KEY_ENV, "").strip():
+        return key, False
+    if not is_loopback(host):
+        raise StartupError(f"serving on {host}, beyond this machine, needs an API key the clients know: set "
+                           f"{API_KEY_ENV} or pass --api-key-file")
+    return secrets.token_urlsafe(32), True
+
+
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    *,
+    device: str = "cpu",
+    api_key_file: str | os.PathLike | None = None,
+    limits: ServerLimits | None = None,
+    **engine_kwargs: Any,
+) -> None:
+    """Loads `model` (a tiny model name or a local HF folder) and serves it until interrupted or SIGTERM
+    (requests in flight get `drain_timeout_s` to finish, then are aborted)."""
     from relax_gym.models import load_model
 
+    limits = limits or ServerLimits()
+    api_key, generated = resolve_api_key(host, api_key_file)
+    if not is_loopback(host):
+        logger.warning("serving on %s: reachable beyond this machine over plain HTTP, so the API key travels in "
+                       "clear; put TLS (a reverse proxy) or an SSH tunnel in front", host)
     engine = EmbeddedEngine(load_model(model, device=device), **engine_kwargs)
+    if generated:
+        print(f"API key (generated for this run): {api_key}\n  clients: export {API_KEY_ENV}={api_key}", flush=True)
     try:
-        uvicorn.run(create_app(engine), host=host, port=port, log_level="info")
+        uvicorn.Server(uvicorn_config(create_app(engine, api_key=api_key, limits=limits), host, port, limits,
+                                      log_level="info")).run()
     finally:
         asyncio.run(engine.close())

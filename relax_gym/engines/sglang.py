@@ -47,6 +47,7 @@ from PIL import Image
 from safetensors.torch import save
 
 from relax_gym.engines.base import (
+    API_KEY_ENV,
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
@@ -112,10 +113,12 @@ class SGLangEngine:
         max_backoff_s: float = 5.0,
         retries: int | None = None,
         max_connections: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         """`timeout_s` bounds one request's reads; `outage_timeout_s` how long one call waits out an unreachable
         server (`retries`, if given, also caps its retries); `max_connections=None` leaves the pool unlimited,
-        so it never caps the run's concurrency (size it to the run's concurrency otherwise)."""
+        so it never caps the run's concurrency (size it to the run's concurrency otherwise). `api_key` (default:
+        the RELAX_GYM_API_KEY environment variable) goes as a bearer token, as SGLang's `--api-key` expects."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.outage_timeout_s = outage_timeout_s
@@ -125,8 +128,10 @@ class SGLangEngine:
         self._version = 0
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").strip()
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             # pool=None: waiting for a free connection never aborts a request that its own timeout would allow
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),

@@ -1,0 +1,147 @@
+"""What stands between `relax-gym serve` and the network: the API key, size and time limits, slow clients.
+
+Two layers, each where it can act earliest (the bounds are `ServerLimits`):
+- `Guard` (ASGI middleware): the bearer token on every route but health and model info, and the body
+  cap, both answered before a byte of the body is parsed; the body is read here, so a client that sends
+  more than it announced (or announces nothing) is cut off at the cap.
+- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol plus one timer): a request whose header and body have
+  not fully arrived within `read_timeout_s` of its first byte, or a connection that sends nothing at all,
+  is closed. uvicorn has no such timeout: a client that sends half a header holds its connection forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from relax_gym.engines.base import API_KEY_ENV
+
+#: routes anyone may call: liveness and what model is served (as SGLang leaves them open under --api-key)
+OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
+
+
+def _json_response(status: int, message: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The ASGI messages of a JSON error in the server's {"error": {"message", "code"}} shape."""
+    body = json.dumps({"error": {"message": message, "code": status}}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return [{"type": "http.response.start", "status": status, "headers": head},
+            {"type": "http.response.body", "body": body}]
+
+
+class Guard:
+    """ASGI middleware: the bearer token (except on `OPEN_ROUTES`), then the body, read whole up to the cap.
+
+    A refused request's body is not read by the app: uvicorn discards the rest as it arrives (no memory
+    held, bounded by the read deadline), so the client reads the refusal instead of a reset connection."""
+
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self._key = None if api_key is None else api_key.encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self._key is not None and scope["path"] not in OPEN_ROUTES and not self._authorized(headers):
+            await _send(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                        f"(the key `relax-gym serve` printed, or {API_KEY_ENV})", {"WWW-Authenticate": "Bearer"})
+            return
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit():
+            await _send(send, 400, "content-length: not a number")
+            return
+        if int(declared) > self.max_body_bytes:
+            await _send(send, 413, self._too_large(int(declared)))
+            return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                await _send(send, 413, self._too_large(len(body)))
+                return
+        await self.app(scope, _replay(bytes(body), receive), send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
+
+    def _too_large(self, size: int) -> str:
+        return f"request body: {size} bytes is over the server's limit of {self.max_body_bytes} (max_body_mb)"
+
+
+async def _send(send: Any, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    for event in _json_response(status, message, headers):
+        await send(event)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that gives the buffered body once, then waits on the real one (for the disconnect)."""
+    given = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's arrival (header and body).
+
+    Armed when the connection opens and when the first bytes of the next request on a kept-alive
+    connection arrive; disarmed once h11 has seen the request's end. If it fires first, the
+    connection is closed (a request already being handled sees a disconnect)."""
+
+    read_timeout_s: float = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._deadline is None and self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.logger.info("closed a connection whose request did not arrive within %g s", self.read_timeout_s)
+            self.transport.close()
+
+
+def protocol_class(read_timeout_s: float) -> type[GuardedH11Protocol]:
+    """`GuardedH11Protocol` with its deadline bound (uvicorn builds protocols from a class, not an instance)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"read_timeout_s": read_timeout_s})

@@ -1,0 +1,82 @@
+"""Images and audio as `relax-gym serve` takes them: inline only, their size checked before decoding.
+
+Only data URLs and bare base64 are read: a server path would let any client learn which files exist
+and make the server read them (a 3 GB sparse file was read whole). An image's pixel count comes from its
+header, an audio clip's length from its format's header, and both are refused past the limits before
+anything is decoded, so a decompression bomb costs the server only its compressed bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+
+import numpy as np
+import soundfile
+from PIL import Image
+
+#: image formats decoded at all: PIL's many rarer decoders are attack surface no VLM client needs
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_AUDIO_CHANNELS = 8
+MAX_AUDIO_RATE = 384_000
+
+
+class MediaError(ValueError):
+    """A media item that cannot be used; the message names the field."""
+
+
+def inline_bytes(item: str, where: str) -> bytes:
+    """A data URL's or bare base64's bytes."""
+    if item.startswith("data:"):
+        item = item.partition(",")[2]
+    elif item.startswith(("http://", "https://", "file:")):
+        raise MediaError(f"{where}: only inline media are taken (a data URL or base64), not URLs")
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError(f"{where}: not a data URL or base64 (server paths are not read)") from None
+
+
+def decode_image(item: str, where: str, *, max_pixels: int) -> Image.Image:
+    """The image, refused past `max_pixels` by its header's size (before its pixels are decoded)."""
+    data = inline_bytes(item, where)
+    too_many = f"over the server's limit of {max_pixels} pixels (max_image_pixels)"
+    try:
+        with warnings.catch_warnings():
+            # PIL's own, higher bound (warning, then error) fires inside open(), before ours can
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            width, height = image.size
+            if width * height > max_pixels:
+                raise MediaError(f"{where}: {width}x{height} is {width * height} pixels, {too_many}")
+            image.load()
+    except MediaError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise MediaError(f"{where}: {too_many}; PIL says: {err}") from None
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, struct.error, DecompressionBomb*...
+        raise MediaError(f"{where}: cannot decode an image ({', '.join(IMAGE_FORMATS)}): {err}") from None
+    return image
+
+
+def decode_audio(item: str, where: str, *, max_seconds: float) -> tuple[np.ndarray, int]:
+    """A mono float32 wave and its rate, refused past `max_seconds` by its header's length."""
+    data = inline_bytes(item, where)
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as err:  # libsndfile's errors come as LibsndfileError, RuntimeError or TypeError
+        raise MediaError(f"{where}: cannot decode audio (WAV, FLAC or OGG expected): {err}") from None
+    if not (0 < info.samplerate <= MAX_AUDIO_RATE and 0 < info.channels <= MAX_AUDIO_CHANNELS):
+        raise MediaError(f"{where}: {info.channels} channels at {info.samplerate} Hz is not a supported layout "
+                         f"(1-{MAX_AUDIO_CHANNELS} channels, up to {MAX_AUDIO_RATE} Hz)")
+    seconds = info.frames / info.samplerate
+    if seconds > max_seconds:
+        raise MediaError(f"{where}: {seconds:.1f} s of audio is over the server's limit of {max_seconds:g} s "
+                         "(max_audio_s)")
+    try:
+        wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", frames=info.frames)
+    except Exception as err:
+        raise MediaError(f"{where}: cannot decode audio: {err}") from None
+    return (wave.mean(axis=1) if wave.ndim == 2 else wave), int(rate)
