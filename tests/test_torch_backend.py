@@ -352,7 +352,7 @@ def test_resumed_run_reproduces_the_next_step_exactly(name, tmp_path):
     first, second = _samples(name, 2), _samples(name, 4)[2:]
     uninterrupted = TorchBackend(load_model(name), lr=1e-3, micro_batch_tokens=64)
     uninterrupted.train_step(first, _pg_loss)
-    extra = {"data_position": 7, "note": ("any", "picklable")}
+    extra = {"data_position": 7, "note": ("plain", "data")}  # tensors and plain data only: see safe_load
     uninterrupted.save_checkpoint(tmp_path / "ckpt", extra)
     rng_after_save = (torch.rand(3), np.random.rand(), random.random())
     expected = uninterrupted.train_step(second, _pg_loss)

@@ -5,6 +5,9 @@ file's size and SHA-256, and is renamed into place; the `latest` pointer is
 replaced last. A crash mid-save therefore never wins, and a folder damaged
 afterwards (a truncated file, a lost folder, a garbage pointer) fails its
 manifest check and is skipped, with a warning, for the newest one that passes.
+A checkpoint file that could run code when loaded (a planted pickle, or one
+written by a relax_gym that pickled numpy objects) is never skipped past: the
+run stops and names it (see `relax_gym.trainer.safe_load`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from relax_gym.errors import StartupError
 from relax_gym.trainer.backends.base import TrainBackend
+from relax_gym.trainer.safe_load import UnsafeCheckpointError
 
 MANIFEST = "manifest.json"
 log = logging.getLogger(__name__)
@@ -110,6 +114,8 @@ class CheckpointManager:
 
         Damaged ones are skipped with a warning; if checkpoints exist but none is
         usable, that is an error: starting afresh would silently discard the run.
+        So is one whose files the backend refuses to unpickle: falling back past it
+        would hide a tampered (or outdated) run folder.
         """
         pointer = self._pointer()
         candidates = sorted({*self.steps(), *([pointer] if pointer else [])}, reverse=True)
@@ -120,6 +126,9 @@ class CheckpointManager:
             if problem is None:
                 try:
                     return step, backend.load_checkpoint(folder)
+                except UnsafeCheckpointError as err:
+                    raise StartupError(f"{err}. The run does not resume from {folder}; move {self.root} away to "
+                                       "start the run afresh") from None
                 except Exception as err:  # verified files that still cannot be read: the next older one may
                     problem = f"loading failed: {type(err).__name__}: {str(err)[:200]}"
             problems.append(f"step_{step}: {problem}")

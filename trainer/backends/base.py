@@ -83,10 +83,14 @@ class TrainBackend(Protocol):
         """Current weights under the Hugging Face names the engine's model uses (CPU tensors)."""
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        """Model, optimizer, RNG states and the caller's `extra` (e.g. data position)."""
+        """Model, optimizer, RNG states and the caller's `extra` (e.g. data position).
+
+        `extra` must be plain data (None, bools, numbers, strings, lists / tuples / dicts of them): loading
+        refuses anything else rather than unpickle code (see `relax_gym.trainer.safe_load`)."""
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Restores what `save_checkpoint` wrote and returns `extra`."""
+        """Restores what `save_checkpoint` wrote and returns `extra`; `UnsafeCheckpointError` for a file that
+        holds more than tensors and plain data, unread."""
 
 
 OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
 from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
+from relax_gym.trainer.safe_load import numpy_rng_state, safe_load, safe_save, set_numpy_rng_state
 
 #: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
 #: memory beyond the logits themselves, whatever the vocabulary and sequence length.
@@ -143,9 +143,10 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
 
 
 def _rng_states() -> dict[str, Any]:
+    """Every RNG state as plain data and tensors, which `safe_load` reads back."""
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, tuple of ints, float or None)
+        "numpy": numpy_rng_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -153,10 +154,10 @@ def _rng_states() -> dict[str, Any]:
 
 def _set_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
+    set_numpy_rng_state(states["numpy"])
+    torch.set_rng_state(states["torch"].cpu())
     if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
 
 
 class TorchBackend:
@@ -365,20 +366,30 @@ class TorchBackend:
         `save_pretrained`, which renames some models' keys to their original
         checkpoint layout (Qwen2-Audio); resuming needs the in-memory names.
         Export a loadable HF folder with `relax_gym.models.save_model`.
+
+        The two .pt files hold only tensors and plain data, so that loading them
+        cannot run code (`relax_gym.trainer.safe_load`); `extra` must be plain
+        data too (None, bools, numbers, strings, lists / tuples / dicts of them,
+        tensors), else this raises ValueError.
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         safetensors.torch.save_model(self.model, str(path / _MODEL_FILE))
-        torch.save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
-        torch.save({"version": self.version, "extra": extra, "rng": _rng_states()}, path / _STATE_FILE)
+        safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
+        safe_save({"version": self.version, "extra": extra, "rng": _rng_states()}, path / _STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Restores weights, optimizer, RNG states and version in place; returns `extra`."""
+        """Restores weights, optimizer, RNG states and version in place; returns `extra`.
+
+        A .pt file that holds anything but tensors and plain data (a planted
+        pickle, or a checkpoint of a relax_gym that pickled numpy's RNG state)
+        raises `UnsafeCheckpointError` before anything is restored, and is never unpickled.
+        """
         path = Path(path)
+        optimizer_state = safe_load(path / _OPTIMIZER_FILE, map_location=self.device)
+        state = safe_load(path / _STATE_FILE)
         safetensors.torch.load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
-        self.optimizer.load_state_dict(torch.load(path / _OPTIMIZER_FILE, map_location=self.device, weights_only=True))
-        # Our own file: the numpy RNG state and the caller's `extra` need full unpickling.
-        state = torch.load(path / _STATE_FILE, weights_only=False)
+        self.optimizer.load_state_dict(optimizer_state)
         _set_rng_states(state["rng"])
         self.version = state["version"]
         return state["extra"]

@@ -21,8 +21,10 @@ Logprobs are computed on the vocabulary-parallel logits without gathering
 them: max, sum-exp and the target logit are reduced over the TP group with
 megatron's differentiable all-reduce, so entropy bonuses train through TP too.
 
-Checkpoints are plain `torch.save` files (weights per model-parallel rank,
+Checkpoints are `torch.save` files (weights per model-parallel rank,
 optimizer shards and RNG per rank), loadable into the same (TP, PP, DP) layout.
+They hold only tensors and plain data and are read with
+`relax_gym.trainer.safe_load`, so resuming cannot run code planted in them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mbridge.core.util import unwrap_model
@@ -54,11 +55,12 @@ from relax_gym.models import TINY_MODELS, LoadedModel, load_model
 from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
+from relax_gym.trainer.safe_load import check_saved, numpy_rng_state, safe_load, set_numpy_rng_state
 
 ModelSource = str | Path | LoadedModel | PreTrainedModel
 
-#: bump when the checkpoint layout changes
-CHECKPOINT_FORMAT = 1
+#: bump when the checkpoint layout changes (2: RNG states as plain data, loaded without unpickling code)
+CHECKPOINT_FORMAT = 2
 
 
 def token_logprobs(
@@ -295,34 +297,50 @@ class MegatronBackend:
         version, layout and `extra`. megatron's own DP-rank-0 parameter-state
         format is not used: with torch's AdamW (no apex / TE) it fails on the
         per-parameter `step` entry.
+
+        Every file holds only tensors and plain data (`load_checkpoint` refuses
+        anything else); `extra` must be plain data too, else this raises
+        ValueError (on rank 0, after every rank has written its files).
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        written = []
         if mpu.get_data_parallel_rank() == 0:
+            written.append(path / f"model_{self._mp_tag()}.pt")
             torch.save({"model": [unwrap_model(m).state_dict() for m in self.models],
-                        "scheduler": self.scheduler.state_dict()}, path / f"model_{self._mp_tag()}.pt")
+                        "scheduler": self.scheduler.state_dict()}, written[-1])
+        written.append(path / f"rank{dist.get_rank():05d}.pt")
         torch.save({"optimizers": [o.state_dict() for o in self._torch_optimizers()], "rng": _rng_state()},
-                   path / f"rank{dist.get_rank():05d}.pt")
+                   written[-1])
         if dist.get_rank() == 0:
+            written.append(path / "meta.pt")
             torch.save({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout(),
-                        "extra": extra}, path / "meta.pt")
+                        "extra": extra}, written[-1])
         dist.barrier()
+        for file in written:  # after the barrier: a rank that raises leaves none waiting
+            check_saved(file)
 
     @compat.on_cpu
     @torch.no_grad()  # fp32 main params are views of the (grad-requiring) model params; loading writes them
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Restores what `save_checkpoint` wrote (same TP/PP/DP layout) and returns `extra`."""
+        """Restores what `save_checkpoint` wrote (same TP/PP/DP layout) and returns `extra`.
+
+        Each file is read with `safe_load`: one holding anything but tensors and
+        plain data raises `UnsafeCheckpointError` and is never unpickled.
+        """
         path = Path(path)
-        # our own files, which hold the caller's arbitrary `extra` and numpy RNG state: full unpickling is intended
-        meta = torch.load(path / "meta.pt", weights_only=False)
+        meta = safe_load(path / "meta.pt")
         if meta["format"] != CHECKPOINT_FORMAT or meta["layout"] != self._layout():
             raise ValueError(f"{path}: checkpoint format {meta['format']} / layout {meta['layout']}, "
                              f"this backend reads format {CHECKPOINT_FORMAT} / layout {self._layout()}")
-        shared = torch.load(path / f"model_{self._mp_tag()}.pt", weights_only=False, map_location=self.device)
+        shared_file, mine_file = path / f"model_{self._mp_tag()}.pt", path / f"rank{dist.get_rank():05d}.pt"
+        shared = safe_load(shared_file, map_location=self.device)
+        mine = safe_load(mine_file, map_location=self.device)
+        for model_state in shared["model"]:
+            _check_extra_state(model_state, shared_file)
         for m, model_state in zip(self.models, shared["model"], strict=True):
             unwrap_model(m).load_state_dict(model_state)
         self.optimizer.reload_model_params()
-        mine = torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=False, map_location=self.device)
         for optimizer, state in zip(self._torch_optimizers(), mine["optimizers"], strict=True):
             optimizer.load_state_dict(state)
         self.scheduler.load_state_dict(shared["scheduler"])
@@ -450,12 +468,28 @@ class MegatronBackend:
         return f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
 
 
+def _check_extra_state(model_state: dict[str, Any], file: Path) -> None:
+    """`_extra_state` entries must be None: the one value megatron's local-spec layers give them.
+
+    Those layers keep no extra state (`get_extra_state` returns None, `set_extra_state`
+    ignores its argument), so None is all a checkpoint of this backend holds there.
+    Transformer Engine's layers would hold a BytesIO or a tensor of pickled bytes
+    that TE unpickles on load: refused here, so that a layer spec with TE could not
+    turn a checkpoint back into code without this check being revisited.
+    """
+    for key, value in model_state.items():
+        if key.rsplit(".", 1)[-1] == "_extra_state" and value is not None:
+            raise ValueError(f"{file}: {key} holds a {type(value).__name__}; this backend's layers keep no extra "
+                             "state (megatron-core's local layer spec), so it holds None there")
+
+
 def _rng_state() -> dict[str, Any]:
+    """Every RNG state as plain data and tensors, which `safe_load` reads back."""
     state = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "python": random.getstate(),  # (version, tuple of ints, float or None)
+        "numpy": numpy_rng_state(),
+        "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),  # name -> ByteTensor
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -463,9 +497,10 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    # RNG states are CPU ByteTensors; the file was loaded onto the training device
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    set_numpy_rng_state(state["numpy"])
+    tensor_parallel.get_cuda_rng_tracker().set_states({k: v.cpu() for k, v in state["megatron"].items()})
     if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
