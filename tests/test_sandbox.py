@@ -10,6 +10,7 @@ Nothing asserts timings: pytest-timeout only guards against hangs.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import socket
@@ -236,6 +237,106 @@ print([line for line in open("/proc/self/status") if line.startswith("CapEff")][
         config = SandboxConfig(require_container=True, image="localhost/relax-gym-no-such-image:latest")
         with pytest.raises(SandboxUnavailableError, match=r"build_sandbox_image\.sh"):
             Sandbox(config)
+
+    def test_ordinary_programs_run_under_the_profile(self, box: Sandbox) -> None:
+        # relax_gym's seccomp profile is an allowlist (relax_gym/sandbox/seccomp.py): what ordinary
+        # programs do must stay on it. glibc's threads and fork go through clone3, refused, then clone.
+        code = r"""
+import asyncio, concurrent.futures, ctypes, json, multiprocessing as mp, os, pty, select, signal, socket
+import sqlite3, subprocess, sys, threading, time
+from multiprocessing import shared_memory
+
+def square(x):
+    return x * x
+
+def main():
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out["threads"] = sum(pool.map(square, range(10)))
+    out["shell"] = subprocess.run("ls / | sort | head -1; timeout 5 sleep 0.01", shell=True,
+                                  capture_output=True, text=True).stdout.split()
+    out["posix_spawn"] = os.waitpid(os.posix_spawn("/bin/true", ["true"], os.environ), 0)[1]
+    for method in ("fork", "spawn", "forkserver"):
+        with mp.get_context(method).Pool(2) as pool:
+            out[method] = sum(pool.map(square, range(10)))
+    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+        out["process pool"] = sum(pool.map(square, range(10)))
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    shm.buf[0] = 7
+    out["shared_memory"] = shm.buf[0]
+    shm.close()
+    shm.unlink()
+
+    async def tcp_echo():
+        async def handle(reader, writer):
+            writer.write(await reader.read(5))
+            await writer.drain()
+            writer.close()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        writer.write(b"hello")
+        echoed = await reader.read(5)
+        writer.close()
+        server.close()
+        child = await asyncio.create_subprocess_exec("echo", "hi", stdout=asyncio.subprocess.PIPE)
+        return echoed.decode(), (await child.communicate())[0].decode().strip()
+
+    out["asyncio"] = asyncio.run(tcp_echo())
+    db = sqlite3.connect("/scratch/db.sqlite")
+    db.execute("pragma journal_mode=wal")
+    db.execute("create table t (x)")
+    db.executemany("insert into t values (?)", [(i,) for i in range(10)])
+    out["sqlite"] = db.execute("select sum(x) from t").fetchone()[0]
+    compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))(
+        lambda a, b: a[0] - b[0])
+    numbers = (ctypes.c_int * 3)(3, 1, 2)
+    ctypes.CDLL(None).qsort(numbers, 3, ctypes.sizeof(ctypes.c_int), compare)
+    out["ctypes callback"] = list(numbers)
+    os.close(os.memfd_create("m"))
+    os.close(os.eventfd(0))
+    child = os.fork()
+    if child == 0:
+        os._exit(3)
+    pidfd = os.pidfd_open(child)
+    select.select([pidfd], [], [], 10)
+    out["pidfd"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    fired = []
+    signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+    time.sleep(0.5)
+    out["timer"] = fired
+    parent, tty = pty.openpty()
+    os.write(parent, b"x\n")
+    out["pty"] = os.read(tty, 2).decode()
+    a, b = socket.socketpair()
+    a.send(b"y")
+    out["socketpair"] = b.recv(1).decode()
+    out["interfaces"] = [name for _, name in socket.if_nameindex()]
+    print(json.dumps(out))
+
+if __name__ == "__main__":
+    main()
+"""
+        result = box.run(code, timeout_s=60)
+        assert result.ok, result.summary()
+        assert json.loads(result.stdout) == {
+            "threads": 285,
+            "shell": ["bin"],
+            "posix_spawn": 0,
+            "fork": 285,
+            "spawn": 285,
+            "forkserver": 285,
+            "process pool": 285,
+            "shared_memory": 7,
+            "asyncio": ["hello", "hi"],
+            "sqlite": 45,
+            "ctypes callback": [1, 2, 3],
+            "pidfd": 3,
+            "timer": [1],
+            "pty": "x\n",
+            "socketpair": "y",
+            "interfaces": ["lo"],
+        }
 
     def test_no_container_left_behind(self, box: Sandbox) -> None:
         # Defined last: runs after the others in this class.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import tarfile
@@ -16,6 +17,7 @@ import requests
 from docker.models.containers import Container
 from docker.types import CancellableStream, LogConfig, Ulimit
 
+from relax_gym.sandbox import seccomp
 from relax_gym.sandbox.config import SandboxConfig
 from relax_gym.sandbox.output import CappedOutput
 from relax_gym.sandbox.result import ExecResult, SandboxError, SandboxUnavailableError
@@ -51,6 +53,25 @@ _NOFILE = 256
 # anyway (podman fails start with "error setting rlimit type 6" without it)
 # and may not exceed containers.conf's default of 1024 here.
 _NPROC = 1024
+
+# Run once per engine, image and profile in a process, under the candidate
+# seccomp option: it proves the engine applies the profile, not merely that it
+# took the option. A filter is on, no_new_privs is set, and unshare is refused
+# even with no flags, which the kernel itself never refuses (only a filter
+# does), as well as with CLONE_NEWUSER. EPERM is 1 on every Linux architecture.
+_PROBE_CODE = r"""
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+def unshare(flags):
+    return 0 if libc.unshare(flags) == 0 else ctypes.get_errno()
+status = dict(line.rstrip("\n").split(":\t", 1) for line in open("/proc/self/status") if ":\t" in line)
+print(json.dumps({"Seccomp": status.get("Seccomp"), "NoNewPrivs": status.get("NoNewPrivs"),
+                  "unshare(0)": unshare(0), "unshare(CLONE_NEWUSER)": unshare(0x10000000)}))
+"""
+_PROBE_EXPECTED = {"Seccomp": "2", "NoNewPrivs": "1", "unshare(0)": 1, "unshare(CLONE_NEWUSER)": 1}
+# (engine URL, image, profile digest) -> the security_opt entry seen enforced there, in this process.
+_ENFORCED: dict[tuple[str, str, str], str] = {}
+_ENFORCED_LOCK = threading.Lock()
 
 
 def candidate_urls(config: SandboxConfig) -> list[str]:
@@ -88,10 +109,12 @@ class ContainerBackend:
 
     Network off, a memory limit with no swap beyond it, pids, CPU share, read-only root
     with size-capped tmpfs /scratch (workdir) and /tmp, non-root user, no
-    capabilities, no-new-privileges, nofile/nproc ulimits, capped logs, a
-    wall-clock kill and a client-side output cap. Raises
-    SandboxUnavailableError at construction when no engine answers or the
-    image is missing, so the caller can choose a fallback.
+    capabilities, no-new-privileges, relax_gym's own seccomp profile
+    (`relax_gym.sandbox.seccomp`: no namespaces, mounts, bpf, io_uring, ...),
+    nofile/nproc ulimits, capped logs, a wall-clock kill and a client-side
+    output cap. Raises SandboxUnavailableError at construction when no engine
+    answers, the image is missing, or the engine would not apply the seccomp
+    profile, so the caller can choose a fallback; code never runs without it.
     """
 
     name = "container"
@@ -117,16 +140,84 @@ class ContainerBackend:
         except (docker.errors.DockerException, requests.RequestException) as exc:
             self.close()
             raise SandboxUnavailableError(f"engine {self.url}: {exc}") from exc
-        self._create_kwargs = _create_kwargs(config)
+        try:
+            self.security_opt = self._enforced_seccomp()
+        except SandboxUnavailableError:
+            self.close()
+            raise
+        self._create_kwargs = _create_kwargs(config, self.security_opt)
+
+    def _enforced_seccomp(self) -> str:
+        """The `security_opt` entry that carries the profile to this engine, once seen enforced.
+
+        Docker's API takes the profile itself ("seccomp=<json>") and refuses
+        a path when the container starts; podman's (4.x) takes a path on the
+        engine's host and refuses JSON at create ("opening seccomp profile
+        failed: open {...}: file name too long"). So JSON is tried first, then
+        a file written by `seccomp.profile_path()`, each by a whole probe run
+        (create alone proves nothing on Docker, and neither proves the filter
+        is in force); the first that passes `_PROBE_CODE` is kept for the process.
+        """
+        key = (self.url, self._config.image, seccomp.digest())
+        with _ENFORCED_LOCK:
+            if key in _ENFORCED:
+                return _ENFORCED[key]
+            reasons = []
+            for form, option in self._seccomp_candidates(reasons):
+                try:
+                    self._probe(option)
+                except SandboxError as exc:
+                    reasons.append(f"as {form}: {_shorten(str(exc))}")
+                    continue
+                _ENFORCED[key] = option
+                return option
+        raise SandboxUnavailableError(
+            f"engine {self.url} would not apply the sandbox's seccomp profile, and code does not run "
+            "without it (it blocks user namespaces, mounts, bpf, io_uring, ...): " + "; ".join(reasons)
+        )
+
+    def _seccomp_candidates(self, reasons: list[str]) -> Iterable[tuple[str, str]]:
+        yield "JSON (Docker)", "seccomp=" + seccomp.profile_json()
+        try:
+            path = seccomp.profile_path()
+        except OSError as exc:
+            reasons.append(f"as a file: {exc}")
+            return
+        if not self.url.startswith("unix://"):
+            reasons.append(
+                f"(engine {self.url} is not on this machine: it can read a profile file only if {path} "
+                "is copied to the same path on its host)"
+            )
+        yield f"a file on the engine's host (podman), {path}", f"seccomp={path}"
+
+    def _probe(self, security_opt: str) -> None:
+        """Run `_PROBE_CODE` with `security_opt`; raise SandboxError unless the profile is seen in force."""
+        result = self._run(_PROBE_CODE, 60.0, "", _create_kwargs(self._config, security_opt))
+        try:
+            seen = json.loads(result.stdout)
+        except ValueError:
+            seen = None
+        if not result.ok or seen != _PROBE_EXPECTED:
+            raise SandboxError(
+                f"the engine took the option but the probe saw {seen or result.summary(max_chars=300)!r}, "
+                f"expected {_PROBE_EXPECTED}"
+            )
 
     def run(self, code: str, *, timeout_s: float, stdin: str | None) -> ExecResult:
+        if self.security_opt.startswith("seccomp=/") and not os.path.exists(self.security_opt.removeprefix("seccomp=")):
+            seccomp.profile_path()  # removed since (a cache cleaner): write it again
+        return self._run(code, timeout_s, stdin or "", self._create_kwargs)
+
+    def _run(self, code: str, timeout_s: float, stdin: str, create_kwargs: dict) -> ExecResult:
         started = time.monotonic()
         try:
-            container = self._client.containers.create(self._config.image, _COMMAND, **self._create_kwargs)
+            container = self._client.containers.create(self._config.image, _COMMAND, **create_kwargs)
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"could not create a sandbox container: {exc}") from exc
         try:
-            output, exit_code, timed_out, killed = self._execute(container, code, stdin or "", timeout_s)
+            # The SDK inspects what it created: the engine must have kept the profile it was given.
+            _check_seccomp(container, create_kwargs["security_opt"])
+            output, exit_code, timed_out, killed = self._execute(container, code, stdin, timeout_s)
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"sandbox container failed: {exc}") from exc
         finally:
@@ -178,7 +269,7 @@ class ContainerBackend:
         self._streams.close()
 
 
-def _create_kwargs(config: SandboxConfig) -> dict:
+def _create_kwargs(config: SandboxConfig, security_opt: str) -> dict:
     memory = f"{config.memory_mb}m"
     tmpfs = f"rw,nosuid,nodev,size={config.scratch_mb}m,mode=1777"
     return {
@@ -195,7 +286,7 @@ def _create_kwargs(config: SandboxConfig) -> dict:
         "environment": {"HOME": "/scratch", "TMPDIR": "/tmp"},
         "user": config.user,
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges"],
+        "security_opt": ["no-new-privileges", security_opt],
         "ulimits": [
             Ulimit(name="nofile", soft=_NOFILE, hard=_NOFILE),
             Ulimit(name="nproc", soft=_NPROC, hard=_NPROC),
@@ -205,6 +296,44 @@ def _create_kwargs(config: SandboxConfig) -> dict:
         "hostname": "sandbox",
         "labels": {"relax_gym.sandbox": "1"},
     }
+
+
+def _seccomp_value(option: str) -> str | None:
+    """The profile (JSON or path) of a "seccomp=..." or "seccomp:..." security option, else None."""
+    for prefix in ("seccomp=", "seccomp:"):
+        if option.startswith(prefix):
+            return option.removeprefix(prefix)
+    return None
+
+
+def _same_profile(kept: str, sent: str) -> bool:
+    if kept == sent:
+        return True
+    try:  # Docker may keep the JSON re-serialised.
+        return json.loads(kept) == json.loads(sent)
+    except ValueError:
+        return False
+
+
+def _check_seccomp(container: Container, security_opt: list[str]) -> None:
+    """Raise SandboxError unless the created container's HostConfig kept the seccomp option it was created with."""
+    sent = [value for value in map(_seccomp_value, security_opt) if value is not None]
+    kept = [
+        value
+        for value in map(_seccomp_value, container.attrs.get("HostConfig", {}).get("SecurityOpt") or [])
+        if value is not None
+    ]
+    if not all(any(_same_profile(k, s) for k in kept) for s in sent):
+        raise SandboxError(
+            f"the engine dropped the seccomp profile from container {container.short_id} "
+            f"(HostConfig.SecurityOpt: {[_shorten(k) for k in kept]})"
+        )
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    """An engine's message without the profile's JSON echoed back in full."""
+    text = text.replace(seccomp.profile_json(), "<profile JSON>")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _code_archive(code: str, stdin: str) -> bytes:
