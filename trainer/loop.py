@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import shutil
+import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -147,6 +149,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(_yaml(cfg))
         self.log = RunLog(self.run_dir, total_steps=cfg.trainer.total_steps)
         self.step = 0
+        self._sigint = False
+        self._unwatch: Callable[[], object] = lambda: None
         self.next_task = 0
         #: the task ledger: tasks started and not yet trained or discarded, in start order (saved with each
         #: checkpoint), and those a resumed run must start again before any new one
@@ -215,6 +219,7 @@ class Trainer:
         """
         await self._connect()
         interrupted = False
+        self._watch_sigint()
         try:
             await self._resume()
             settle_heap()
@@ -230,11 +235,37 @@ class Trainer:
             await asyncio.gather(*self._eval_tasks, return_exceptions=True)
             if self.step > self.checkpoints.latest_step():
                 self._checkpoint()
+            self._unwatch()
             self.log.close(plot=True)
             await self._close_engine()
         summary = self.log.summary()
         summary.update(interrupted=interrupted, resumed_from=self.resumed_from, eval_failures=self.eval_failures)
         return summary
+
+    def _watch_sigint(self) -> None:
+        """Ctrl-C cancels the run's task (as asyncio.run would) and also marks the run interrupted, so a
+        cancellation lost in a race (Python 3.11's wait_for can swallow one) still stops it at the next step."""
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+
+        def interrupt() -> None:
+            if self._sigint:  # pressed twice: stop now, as asyncio.run does
+                raise KeyboardInterrupt
+            self._sigint = True
+            if task is not None:
+                task.cancel()
+
+        try:
+            loop.add_signal_handler(signal.SIGINT, interrupt)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            return
+        self._unwatch = lambda: loop.remove_signal_handler(signal.SIGINT)
+
+    def _going_on(self) -> bool:
+        """Whether another step is due; raises KeyboardInterrupt once Ctrl-C was pressed."""
+        if self._sigint:
+            raise KeyboardInterrupt
+        return self.step < self.cfg.trainer.total_steps
 
     async def _connect(self) -> None:
         """An engine server is waited for and resumed (a killed run may have left it paused) before anything."""
@@ -266,7 +297,7 @@ class Trainer:
 
     async def _run_sync(self) -> None:
         """The colocated schedule: generate one step's groups, train on them, push weights, repeat."""
-        while self.step < self.cfg.trainer.total_steps:
+        while self._going_on():
             t0 = time.perf_counter()
             groups: list[Group] = []
             while len(groups) < self.cfg.rollout.groups_per_step:  # refill what the filter drops
@@ -291,7 +322,7 @@ class Trainer:
         self.bus = bus
         producer = asyncio.create_task(self._produce(bus))
         try:
-            while self.step < self.cfg.trainer.total_steps:
+            while self._going_on():
                 t0 = time.perf_counter()
                 groups = await bus.take()
                 counters = {"dropped_stale_total": bus.dropped_stale, "filtered_total": bus.filtered,
