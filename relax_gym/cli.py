@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from rich.console import Console
 from rich.markup import escape
@@ -286,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
                         "required beyond loopback)")
     for name, field in ServerLimits.model_fields.items():
-        kind = int if field.annotation is int or int in typing.get_args(field.annotation) else float
+        kind = int if field.annotation is int or int in get_args(field.annotation) else float
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=kind.__name__.upper(),
                        help=f"{field.description} (default {field.default})")
     p.set_defaults(func=cmd_serve)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from megatron_scripts.common import MEGATRON_WARNINGS
 
 from relax_gym.cli import main
 from relax_gym.errors import StartupError
@@ -27,16 +28,7 @@ from relax_gym.trainer.backends import MicroBatch, Sample, TorchBackend
 from relax_gym.trainer.checkpoint import CheckpointManager, write_manifest
 from relax_gym.trainer.safe_load import UnsafeCheckpointError, safe_load
 
-pytestmark = [
-    # megatron-core's notices on a machine without TE / apex / CUDA, and its deprecations (megatron tests only)
-    pytest.mark.filterwarnings("ignore:.*(Apex|Transformer Engine).*not installed"),
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:full scope is deprecated"),
-    pytest.mark.filterwarnings("ignore:The 'megatron.core.transformer.custom_layers:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
-]
+pytestmark = [pytest.mark.filterwarnings(f) for f in MEGATRON_WARNINGS]
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"

@@ -24,6 +24,7 @@ pytest.importorskip("mbridge", reason="needs the megatron extra", exc_type=Impor
 from megatron_scripts.common import (
     GRAD_CLIP,
     LR,
+    MEGATRON_WARNINGS,
     MICRO_BATCH_TOKENS,
     TEMPERATURE,
     WEIGHT_DECAY,
@@ -38,15 +39,7 @@ from relax_gym.models import load_model, save_model
 from relax_gym.trainer.backends.base import TrainBackend
 from relax_gym.trainer.backends.megatron import MegatronBackend
 
-pytestmark = [
-    # megatron-core's own notices on a machine without TE / apex / CUDA, and its internal deprecations
-    pytest.mark.filterwarnings("ignore:.*(Apex|Transformer Engine).*not installed"),
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:MLP requires ffn_hidden_size:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
-    pytest.mark.filterwarnings("ignore:.*deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:full scope is deprecated"),
-]
+pytestmark = [pytest.mark.filterwarnings(f) for f in MEGATRON_WARNINGS]
 
 LOGPROB_TOL = 1e-4  # fp32; measured ≤ 2.4e-6
 LOSS_TOL = 1e-5  # measured ≤ 2e-7

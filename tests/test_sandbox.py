@@ -36,16 +36,9 @@ BOGUS_ENGINE = "unix:///nonexistent/relax-gym-test.sock"
 
 
 @pytest.fixture(scope="module")
-def box() -> Iterator[Sandbox]:
-    """A container-backed sandbox with the default limits."""
-    try:
-        sandbox = Sandbox(SandboxConfig(require_container=True))
-    except SandboxUnavailableError as exc:
-        if os.environ.get("RELAX_GYM_REQUIRE_CONTAINER") == "1":
-            pytest.fail(f"RELAX_GYM_REQUIRE_CONTAINER=1 but no container sandbox: {exc}")
-        pytest.skip(f"no container engine: {exc}")
-    yield sandbox
-    sandbox.close()
+def box(container_sandbox: Sandbox) -> Sandbox:
+    """A container-backed sandbox with the default limits (tests/conftest.py)."""
+    return container_sandbox
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,6 @@ import secrets
 import socket
 import stat
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -154,18 +153,11 @@ DENIED = "EPERM"  # what the profile answers for what it refuses outright
 
 
 @pytest.fixture(scope="module")
-def box() -> Iterator[Sandbox]:
-    """One container-backed sandbox with the default limits for the whole module."""
+def box(container_sandbox: Sandbox) -> Sandbox:
+    """The container-backed sandbox with the default limits (tests/conftest.py)."""
     if platform.machine() not in _SYSCALLS:
         pytest.skip(f"no syscall numbers for {platform.machine()} in this test")
-    try:
-        sandbox = Sandbox(SandboxConfig(require_container=True))
-    except SandboxUnavailableError as exc:
-        if os.environ.get("RELAX_GYM_REQUIRE_CONTAINER") == "1":
-            pytest.fail(f"RELAX_GYM_REQUIRE_CONTAINER=1 but no container sandbox: {exc}")
-        pytest.skip(f"no container engine: {exc}")
-    yield sandbox
-    sandbox.close()
+    return container_sandbox
 
 
 def probe(box: Sandbox, body: str, **run_kwargs) -> dict:

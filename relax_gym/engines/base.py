@@ -8,6 +8,7 @@ report the policy version of the weights that produced the tokens.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -19,6 +20,11 @@ FinishReason = Literal["stop", "length", "abort"]
 
 #: the environment variable `relax-gym serve` and `SGLangEngine` read the server's API key from
 API_KEY_ENV = "RELAX_GYM_API_KEY"
+
+
+def api_key_from_env() -> str | None:
+    """`$RELAX_GYM_API_KEY`, stripped; None when unset or blank."""
+    return os.environ.get(API_KEY_ENV, "").strip() or None
 
 
 class EngineError(RuntimeError):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import logging
 import math
 import os
@@ -59,10 +60,11 @@ from relax_gym.engines.base import (
     GenerateRequest,
     RequestError,
     SamplingParams,
+    api_key_from_env,
 )
 from relax_gym.engines.embedded import EmbeddedEngine
-from relax_gym.engines.server_guard import Guard, protocol_class
-from relax_gym.engines.server_limits import ServerLimits, is_loopback
+from relax_gym.engines.server_guard import Guard, error_response, protocol_class
+from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
 from relax_gym.errors import StartupError
 
@@ -174,10 +176,6 @@ class UpdateFromTensorIn(BaseModel):
 
 class PauseIn(BaseModel):
     mode: Text = "in_place"
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
 def _field_error(err: dict[str, Any]) -> str:
@@ -301,16 +299,16 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, "; ".join(_field_error(err) for err in exc.errors()))
+        return error_response(400, "; ".join(_field_error(err) for err in exc.errors()))
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         status = 400 if isinstance(exc, RequestError) else 500 if await engine.health() else 503
-        return _error(status, str(exc))
+        return error_response(status, str(exc))
 
     async def to_request(body: GenerateIn) -> GenerateRequest:
         params = body.sampling_params.to_params()
@@ -328,7 +326,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     async def generate(body: GenerateIn, request: Request) -> Any:
         nonlocal pending
         if pending >= limits.max_pending:
-            return _error(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
+            return error_response(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
                           {"Retry-After": "1"})
         pending += 1
         try:
@@ -458,6 +456,16 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, **kwarg
     )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tuple[str, bool]:
     """The API key from `key_file` or the environment, else a new one (only on loopback); and whether
     it was generated. Not a command-line value: other users of the machine can read those in `ps`."""
@@ -469,7 +477,7 @@ def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tup
         if not key:
             raise StartupError(f"--api-key-file {key_file}: the file is empty")
         return key, False
-    if key := os.environ.get(API_KEY_ENV, "").strip():
+    if key := api_key_from_env():
         return key, False
     if not is_loopback(host):
         raise StartupError(f"serving on {host}, beyond this machine, needs an API key the clients know: set "

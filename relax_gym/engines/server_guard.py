@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 from typing import Any
 
 import h11
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from relax_gym.engines.base import API_KEY_ENV
@@ -25,13 +25,9 @@ from relax_gym.engines.base import API_KEY_ENV
 OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
 
 
-def _json_response(status: int, message: str, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """The ASGI messages of a JSON error in the server's {"error": {"message", "code"}} shape."""
-    body = json.dumps({"error": {"message": message, "code": status}}).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    return [{"type": "http.response.start", "status": status, "headers": head},
-            {"type": "http.response.body", "body": body}]
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The server's error, SGLang's {"error": {"message", "code"}} shape; also an ASGI app the middleware sends."""
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
 
 class Guard:
@@ -51,15 +47,16 @@ class Guard:
             return
         headers = dict(scope["headers"])
         if self._key is not None and scope["path"] not in OPEN_ROUTES and not self._authorized(headers):
-            await _send(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                        f"(the key `relax-gym serve` printed, or {API_KEY_ENV})", {"WWW-Authenticate": "Bearer"})
+            message = ("missing or wrong API key: send 'Authorization: Bearer <key>' (the key `relax-gym serve` "
+                       f"printed, or {API_KEY_ENV})")
+            await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get(b"content-length", b"0")
         if not declared.isdigit():
-            await _send(send, 400, "content-length: not a number")
+            await error_response(400, "content-length: not a number")(scope, receive, send)
             return
         if int(declared) > self.max_body_bytes:
-            await _send(send, 413, self._too_large(int(declared)))
+            await error_response(413, self._too_large(int(declared)))(scope, receive, send)
             return
         body = bytearray()
         more = True
@@ -70,7 +67,7 @@ class Guard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body_bytes:
-                await _send(send, 413, self._too_large(len(body)))
+                await error_response(413, self._too_large(len(body)))(scope, receive, send)
                 return
         await self.app(scope, _replay(bytes(body), receive), send)
 
@@ -80,11 +77,6 @@ class Guard:
 
     def _too_large(self, size: int) -> str:
         return f"request body: {size} bytes is over the server's limit of {self.max_body_bytes} (max_body_mb)"
-
-
-async def _send(send: Any, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    for event in _json_response(status, message, headers):
-        await send(event)
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,13 +25,3 @@ class ServerLimits(BaseModel):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

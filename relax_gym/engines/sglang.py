@@ -47,12 +47,12 @@ from PIL import Image
 from safetensors.torch import save
 
 from relax_gym.engines.base import (
-    API_KEY_ENV,
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
     GenerateRequest,
     RequestError,
+    api_key_from_env,
 )
 
 logger = logging.getLogger("relax_gym.engines")
@@ -128,7 +128,7 @@ class SGLangEngine:
         self._version = 0
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
-        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").strip()
+        api_key = api_key if api_key is not None else api_key_from_env()
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,

@@ -213,14 +213,17 @@ def _arg(index: int, value: int, op: str = "SCMP_CMP_EQ", value_two: int = 0) ->
     return {"index": index, "value": value, "valueTwo": value_two, "op": op}
 
 
-def _errno(names: list[str], code: int, args: list[dict] | None = None, comment: str = "") -> dict:
-    rule = {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": code, "args": args or []}
+def _rule(names: list[str], action: str, args: list[dict] | None, comment: str, **extra: int) -> dict:
+    rule = {"names": names, "action": action, "args": args or [], **extra}
     return {**rule, "comment": comment} if comment else rule
+
+
+def _errno(names: list[str], code: int, args: list[dict] | None = None, comment: str = "") -> dict:
+    return _rule(names, "SCMP_ACT_ERRNO", args, comment, errnoRet=code)
 
 
 def _allow(names: list[str], args: list[dict] | None = None, comment: str = "") -> dict:
-    rule = {"names": names, "action": "SCMP_ACT_ALLOW", "args": args or []}
-    return {**rule, "comment": comment} if comment else rule
+    return _rule(names, "SCMP_ACT_ALLOW", args, comment)
 
 
 def _argument_rules() -> list[dict]:
@@ -231,7 +234,7 @@ def _argument_rules() -> list[dict]:
     personality(0)), so "any of these bits" or "none of these values" takes one
     rule per bit or value. Rules of one syscall must not overlap.
     """
-    rules = [
+    return [
         _allow(["clone"], [_arg(0, CLONE_NAMESPACE_MASK, "SCMP_CMP_MASKED_EQ", 0)], "threads and fork"),
         *(
             _errno(["clone"], DENIED_ERRNO, [_arg(0, flag, "SCMP_CMP_MASKED_EQ", flag)], name)
@@ -253,7 +256,6 @@ def _argument_rules() -> list[dict]:
         _allow(["personality"], [_arg(0, 0xFFFFFFFF, "SCMP_CMP_MASKED_EQ", PER_LINUX)], "the default persona"),
         _allow(["personality"], [_arg(0, 0xFFFFFFFF, "SCMP_CMP_MASKED_EQ", PERSONALITY_QUERY)], "query it"),
     ]
-    return rules
 
 
 def profile() -> dict:

@@ -29,6 +29,18 @@ MICRO_BATCH_TOKENS = 40
 ACTIVE_GRAD = 1e-6
 
 
+#: megatron-core's notices on a machine without TE / apex / CUDA, and its internal deprecations
+MEGATRON_WARNINGS = (
+    "ignore:.*(Apex|Transformer Engine).*not installed",
+    "ignore:Warning. tp_group is None:DeprecationWarning",
+    "ignore:MLP requires ffn_hidden_size:DeprecationWarning",
+    "ignore:The .grad attribute of a Tensor that is not a leaf",
+    "ignore:.*deprecated:FutureWarning",
+    "ignore:full scope is deprecated",
+    "ignore:The 'megatron.core.transformer.custom_layers:DeprecationWarning",
+)
+
+
 def make_samples(seed: int = 0, vocab: int = 1024) -> list[Sample]:
     """Varied lengths and prompt/completion masks, advantages of both signs."""
     g = torch.Generator().manual_seed(seed)
