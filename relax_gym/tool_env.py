@@ -4,6 +4,11 @@ A subclass provides `new_task` (what to ask), `score` (how to grade the final
 answer) and its tools as `@tool` methods; the turn loop, tool-call parsing,
 error observations, turn limits and state snapshots live here once.
 
+`tool_format` reads the model's reply: Hermes `<tool_call>` blocks by default; the
+rollout manager sets the format of its tokenizer's model family
+(`relax_gym.tools.tool_format_for`). `score` gets the reply's content, without its
+reasoning (a `<think>` block, harmony's analysis channel) and tool-call markup.
+
 A turn's tool calls are bounded, since the model writes them: at most
 `max_tool_calls_per_turn` run, and all of them share a `step_timeout_s` budget.
 Calls to tools marked `@tool(concurrent=True)` run at the same time; the rest run
@@ -24,7 +29,8 @@ from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
 from relax_gym.messages import Message, Part, message, text
 from relax_gym.rewards import RewardResult
 from relax_gym.spaces import MessageSpace
-from relax_gym.tools import TOOL_MARK, ToolCall, ToolResult, ToolSet, parse_tool_calls
+from relax_gym.tools import TOOL_MARK, ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
+from relax_gym.tools.formats import HERMES, make_call_id
 
 
 class ToolEnv(EpisodeState, Env[list[Message]]):
@@ -37,6 +43,8 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
     #: seconds the tool calls of one step may take together; calls unfinished by then are reported as timed out
     step_timeout_s: float = 60.0
     system_prompt: str | None = None
+    #: how `step` reads tool calls, reasoning and content from the model's reply
+    tool_format: ToolCallFormat = HERMES
 
     def __init__(
         self,
@@ -44,6 +52,7 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         max_turns: int | None = None,
         max_tool_calls_per_turn: int | None = None,
         step_timeout_s: float | None = None,
+        tool_format: ToolCallFormat | str | None = None,
     ):
         if max_turns is not None:
             if max_turns < 1:
@@ -58,6 +67,8 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
             if not (isinstance(step_timeout_s, int | float) and math.isfinite(step_timeout_s) and step_timeout_s > 0):
                 raise ValueError(f"step_timeout_s must be a positive number of seconds, got {step_timeout_s!r}")
             self.step_timeout_s = float(step_timeout_s)
+        if tool_format is not None:
+            self.tool_format = get_tool_format(tool_format) if isinstance(tool_format, str) else tool_format
         self.toolset = ToolSet(self.make_tools())
         self.metadata = {**type(self).metadata, "tools": self.toolset.names}
         modalities = tuple(self.metadata.get("modalities", ("text",)))
@@ -70,7 +81,7 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         raise NotImplementedError
 
     def score(self, answer: str) -> RewardResult | float:
-        """Grades the final (tool-call-free) answer against `self.episode["task"]`."""
+        """Grades the final (tool-call-free) answer, without its reasoning, against `self.episode["task"]`."""
         raise NotImplementedError
 
     def make_tools(self) -> list[Callable[..., Any]]:
@@ -100,7 +111,7 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         if not ep or ep["done"]:
             raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
         ep["turn"] += 1
-        parsed = parse_tool_calls(action)
+        parsed = self.tool_format.parse(action)
         if not parsed.has_tool_calls:
             ep["done"] = True
             result = self.score(parsed.content)
@@ -108,23 +119,33 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
                 result = RewardResult(score=float(result), status="ok")
             return [], float(result.score), True, False, self._info(reward=result.to_info())
         observation: list[Message] = []
-        for err in parsed.errors:
+        # a format whose templates want an id on every tool result (Mistral v3) gets one on each, made up
+        # for parser errors and notes, which answer no call; otherwise only a call that carries one passes it on
+        needs_ids = bool(getattr(self.tool_format, "call_ids", False))
+
+        def ids(call_id: str | None, *seed: Any) -> dict[str, str]:
+            if call_id is None and needs_ids:
+                call_id = make_call_id(ep["turn"], *seed)
+            return {} if call_id is None else {"tool_call_id": call_id}
+
+        for i, err in enumerate(parsed.errors):
             ep["tool_errors"] += 1
-            observation.append(message("tool", text(f"Error: {err.message}"), name="tool_call_parser"))
+            note = text(f"Error: {err.message}")
+            observation.append(message("tool", note, name="tool_call_parser", **ids(None, "error", i)))
         cap = self.max_tool_calls_per_turn
         calls, skipped = parsed.calls[:cap], len(parsed.calls) - cap
-        for call, outcome in zip(calls, self._run_calls(calls), strict=True):
+        for j, (call, outcome) in enumerate(zip(calls, self._run_calls(calls), strict=True)):
             ep["tool_calls"] += 1
             if outcome is None:
                 late = f"Error: {call.name}: tool call timed out after the step budget of {self.step_timeout_s:g} s"
                 outcome = ToolResult([text(late)], is_error=True)
             ep["tool_errors"] += outcome.is_error
             ep["tool_successes"] += not outcome.is_error
-            observation.append(message("tool", *outcome.content, name=call.name))
+            observation.append(message("tool", *outcome.content, name=call.name, **ids(call.id, "call", j)))
         if skipped > 0:
             ep["tool_errors"] += skipped
             note = f"Error: {skipped} more tool call(s) were not run: at most {cap} tool calls are run per turn."
-            observation.append(message("tool", text(note), name="tool_call_limit"))
+            observation.append(message("tool", text(note), name="tool_call_limit", **ids(None, "limit")))
         if ep["turn"] >= self.max_turns:
             ep["done"] = True
             return observation, 0.0, False, True, self._info(truncated_by="max_turns")

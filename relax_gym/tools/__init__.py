@@ -1,5 +1,18 @@
-"""Tools: typed functions offered to the model, and the parser for its calls."""
+"""Tools: typed functions offered to the model, and the parsers for its calls in each model family's format."""
 
+from relax_gym.tools.formats import (
+    TOOL_FORMATS,
+    DeepSeekFormat,
+    HarmonyFormat,
+    HermesFormat,
+    Llama3Format,
+    MistralFormat,
+    ResponseTemplateFormat,
+    ToolCallFormat,
+    detect_family,
+    get_tool_format,
+    tool_format_for,
+)
 from relax_gym.tools.function_tool import (
     TOOL_MARK,
     Tool,
@@ -13,16 +26,27 @@ from relax_gym.tools.function_tool import (
 from relax_gym.tools.parser import ParsedTurn, ToolCall, ToolCallError, parse_tool_calls
 
 __all__ = [
+    "TOOL_FORMATS",
     "TOOL_MARK",
+    "DeepSeekFormat",
+    "HarmonyFormat",
+    "HermesFormat",
+    "Llama3Format",
+    "MistralFormat",
     "ParsedTurn",
+    "ResponseTemplateFormat",
     "Tool",
     "ToolCall",
     "ToolCallError",
+    "ToolCallFormat",
     "ToolDefinitionError",
     "ToolError",
     "ToolResult",
     "ToolSet",
+    "detect_family",
+    "get_tool_format",
     "parse_tool_calls",
     "to_parts",
     "tool",
+    "tool_format_for",
 ]
