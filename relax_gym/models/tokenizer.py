@@ -5,6 +5,9 @@ token machinery as a real Qwen checkpoint: Qwen2's pre-tokenizer regex (digits
 split one by one), byte-level fallback for any text, ChatML and multimodal
 special tokens, and `<tool_call>` / `<think>` markers that survive
 `skip_special_tokens` decoding so the tool-call parser still sees them.
+
+`train_bpe` trains the same vocabulary with another family's special tokens
+(and pre-tokenizer regex), for test fixtures of other model families.
 """
 
 from __future__ import annotations
@@ -119,29 +122,57 @@ def _corpus(lines: int = 3000) -> list[str]:
     return corpus
 
 
+def train_bpe(
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    markup_tokens: tuple[str, ...] = MARKUP_TOKENS,
+    *,
+    split: str = QWEN_SPLIT,
+    extra_text: tuple[str, ...] = (),
+    vocab_size: int = VOCAB_SIZE,
+) -> str:
+    """A byte-level BPE trained on the shared corpus (plus `extra_text`), as tokenizer JSON.
+
+    `special_tokens` are added as control tokens (dropped by `decode(skip_special_tokens=True)`),
+    `markup_tokens` as single tokens that decoding keeps; both come after the trained vocabulary,
+    whose size is `vocab_size` minus their count. `split` is the pre-tokenizer regex. Cached per
+    argument tuple, so each distinct tokenizer is trained once per process (well under a second).
+    """
+    return _train_bpe(tuple(special_tokens), tuple(markup_tokens), split, tuple(extra_text), vocab_size)
+
+
 @functools.cache
-def _trained_bpe() -> str:
-    """The trained tokenizer as JSON; cached so every build after the first costs only a parse."""
+def _train_bpe(
+    special_tokens: tuple[str, ...],
+    markup_tokens: tuple[str, ...],
+    split: str,
+    extra_text: tuple[str, ...],
+    vocab_size: int,
+) -> str:
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    reserved = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
+    reserved = len(special_tokens) + len(markup_tokens)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - reserved,
+        vocab_size=vocab_size - reserved,
         min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    tok.train_from_iterator(_corpus() + list(extra_text), trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in markup_tokens])
     return tok.to_str()
+
+
+def _trained_bpe() -> str:
+    """The embedded tiny models' tokenizer as JSON; cached so every build after the first costs only a parse."""
+    return train_bpe(SPECIAL_TOKENS, MARKUP_TOKENS)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
