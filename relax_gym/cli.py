@@ -120,13 +120,31 @@ def _key_values(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _load(args: argparse.Namespace) -> Any:
+    """The model named by `--model`, with `--chat-template`, `--template-kwarg` and `--tool-format` applied."""
+    from relax_gym.models import load_model
+
+    return load_model(args.model, chat_template=args.chat_template, template_kwargs=_key_values(args.template_kwarg),
+                      tool_format=args.tool_format)
+
+
+def _template_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the checkpoint's")
+    p.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to every chat-template render, e.g. enable_thinking=false (repeatable)")
+    p.add_argument("--tool-format", default="auto",
+                   help="how tool calls are read from the model's text: auto (from the tokenizer) or "
+                        "hermes | llama3 | mistral | deepseek | harmony")
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
     from relax_gym.rollout.run import rollout_to_file
 
     summary = asyncio.run(rollout_to_file(
-        env_id=args.env, model=args.model, n=args.n, group=args.group, out=args.out, seed=args.seed,
+        env_id=args.env, model=_load(args), n=args.n, group=args.group, out=args.out, seed=args.seed,
         engine_url=args.engine_url, env_kwargs=_key_values(args.env_arg), temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
         concurrency=args.concurrency,
@@ -147,20 +165,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         if s["rerender_mismatches"]:
             console.print(f"  [yellow]{s['rerender_mismatches']} trajectories differ from a full re-render "
                           "(see metrics.rerender_first_diff_char)[/yellow]")
+        if s["rerender_expected_diffs"]:
+            console.print(f"  {s['rerender_expected_diffs']} trajectories differ from a full re-render, as expected: "
+                          "the chat template rewrites earlier turns, and the tokens the model saw are kept",
+                          highlight=False, soft_wrap=True)
     return 0
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from relax_gym.models import load_model
     from relax_gym.rollout.preflight import preflight, report_dict
 
-    results = preflight(load_model(args.model))
-    report = report_dict(results)
+    loaded = _load(args)
+    results = preflight(loaded)
+    report = report_dict(loaded, results)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         for r in results:
-            mark = "[green]match[/green]" if r.match else "[red]DIFFERS[/red]"
+            mark = ("[green]match[/green]" if r.match else "[cyan]differs as expected[/cyan]" if r.expected
+                    else "[red]DIFFERS[/red]")
             console.print(f"{mark} {r.case}: {r.appended_tokens} appended vs {r.rerendered_tokens} re-rendered tokens")
             if r.error:
                 console.print(f"    {r.error}", highlight=False)
@@ -168,6 +191,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                 console.print(f"    first difference at token {r.first_diff}", highlight=False)
                 console.print(f"    appended:    {r.appended_context!r}", highlight=False)
                 console.print(f"    re-rendered: {r.rerendered_context!r}", highlight=False)
+        console.print(f"strategy: {report['strategy']}", highlight=False, soft_wrap=True)
+        for w in report["warnings"]:
+            console.print(f"[yellow]warning[/yellow]: {w}", highlight=False, soft_wrap=True)
         verdict = "certified" if report["certified"] else "NOT certified: see the differing cases above"
         console.print(f"{args.model}: {verdict}")
     return 0 if report["certified"] else 1
@@ -202,6 +228,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         highlight=False,
     )
     return 130 if summary.get("interrupted") else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from relax_gym.trainer.export import export_checkpoint
+
+    exported = export_checkpoint(args.run, args.output, step=args.step)
+    console.print(f"exported {exported.source} ({len(exported.files)} files, verified against its manifest) to "
+                  f"{exported.destination}", highlight=False, soft_wrap=True)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -256,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=4096)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
+    _template_flags(p)
     p.set_defaults(func=cmd_rollout)
 
     p = sub.add_parser("view", help="render trajectories as an HTML page")
@@ -267,12 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preflight", help="certify a chat template for exact multi-turn token continuity")
     p.add_argument("--model", default="tiny")
     p.add_argument("--json", action="store_true")
+    _template_flags(p)
     p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("train", help="train a policy (a run folder with metrics, checkpoints, a reward plot)")
     p.add_argument("config", help="a YAML config (see examples/configs/)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.lr=1e-4")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="copy a checkpoint's Hugging Face model files (no training state) to a folder")
+    p.add_argument("run", help="a run folder (or its checkpoints folder, its `latest` pointer, a step folder)")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest)")
+    p.add_argument("-o", "--output", required=True, help="a new or empty folder")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="the embedded engine over SGLang-native HTTP")
     p.add_argument("--model", default="tiny")

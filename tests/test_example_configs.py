@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from relax_gym.models import load_model
 from relax_gym.trainer.config import load_config
@@ -30,22 +29,18 @@ def test_example_config_trains_and_updates_every_parameter(tmp_path, path):
         "trainer.eval_every=0", "rollout.groups_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=8", "algorithm.entropy_coef=0.01", "trainer.lr=1e-3",
     ])
-    if not Path(cfg.model).is_absolute() and (ROOT / cfg.model).is_dir():
-        cfg.model = str(ROOT / cfg.model)
-    model = load_model(cfg.model).model
+    if not Path(cfg.model.path).is_absolute() and (ROOT / cfg.model.path).is_dir():
+        cfg.model.path = str(ROOT / cfg.model.path)
+    model = load_model(cfg.model.path).model
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # e.g. not sinusoidal tables
     summary = asyncio.run(Trainer(cfg).run())
     assert summary["steps"] == 2
-    after = load_model(cfg.model).model
-    missing, unexpected = after.load_state_dict(
-        load_file(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"), strict=False)
-    assert not unexpected and set(missing) <= {"model.embed_tokens.weight"}  # tied to lm_head, stored once
-    trained = after.state_dict()
+    trained = load_model(str(tmp_path / "run" / "checkpoints" / "step_2")).model.state_dict()  # a model folder
     unchanged = [k for k in trainable if torch.equal(trained[k], initial[k])]
     assert not unchanged, f"parameters the update never reached: {unchanged}"
     towers = [k for k in trainable if any(t in k for t in ("visual", "vision", "audio_tower", "multi_modal"))]
-    if "vl" in str(cfg.model) or "audio" in str(cfg.model):
+    if "vl" in cfg.model.path or "audio" in cfg.model.path:
         assert towers  # the towers exist and (above) every one of their parameters moved
 
 

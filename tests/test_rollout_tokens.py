@@ -21,7 +21,7 @@ def loaded(request):
 
 
 def test_every_preflight_case_certifies_for_the_tiny_models(loaded):
-    report = report_dict(preflight(loaded))
+    report = report_dict(loaded, preflight(loaded))
     assert report["certified"], [c for c in report["cases"] if not c["match"]]
     names = {c["case"] for c in report["cases"]}
     assert "tool calls" in names and "think blocks" in names
@@ -42,6 +42,9 @@ def test_a_template_that_strips_old_think_blocks_is_flagged_where_it_differs():
     think = results["think blocks"]
     assert not think.match and think.first_diff is not None
     assert "<think>" in think.appended_context and "<think>" not in think.rerendered_context
+    assert think.expected  # the template rewrites history: strict appending kept what the model saw
+    report = report_dict(loaded, list(results.values()))
+    assert report["certified"] and not report["exact"] and "reasoning" in report["rewrites_history"]
 
 
 def test_segments_masks_and_media_follow_the_turns():

@@ -20,6 +20,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class ModelSection(_Strict):
+    """The policy model; `model: DIR` is shorthand for `model: {path: DIR}`."""
+
+    #: tiny | tiny-vl | tiny-audio | a local HF checkpoint folder (a run's checkpoints/step_N or latest too)
+    path: str = "tiny"
+    #: a Jinja file that replaces the checkpoint's chat template
+    chat_template: str | None = None
+    #: keyword arguments every chat-template render gets, e.g. {enable_thinking: false}
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    #: how tool calls are read from the model's text: auto (from the tokenizer) or a format name
+    tool_format: str = "auto"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, str) else value
+
+
+#: sections a bare value stands for, and the key it fills (`model: DIR` = `model: {path: DIR}`)
+SHORTHANDS = {"model": "path"}
+
+
 class EnvConfig(_Strict):
     id: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -111,8 +133,7 @@ class TrainerSection(_Strict):
 class TrainConfig(_Strict):
     run_dir: str = "runs/default"
     seed: int = 0
-    #: tiny | tiny-vl | tiny-audio | a local HF checkpoint folder
-    model: str = "tiny"
+    model: ModelSection = Field(default_factory=ModelSection)
     envs: list[EnvConfig]
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
@@ -184,12 +205,16 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             node = node[int(part)]
             continue
         nxt = node.setdefault(part, {})
+        if i == 0 and part in SHORTHANDS and isinstance(nxt, str):
+            nxt = node[part] = {SHORTHANDS[part]: nxt}
         if not isinstance(nxt, dict | list):
             raise ConfigError(f"override {dotted!r}: {'.'.join(parts[: i + 1])} is not a section")
         node = nxt
     last = parts[-1]
     if isinstance(node, list):
         node[int(last)] = value
+    elif node is tree and last in SHORTHANDS and isinstance(node.get(last), dict) and not isinstance(value, dict):
+        node[last][SHORTHANDS[last]] = value  # `model=DIR` after `model.chat_template=...` keeps the template
     else:
         node[last] = value
 

@@ -124,7 +124,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         #: envs[i].id as given may be a file.py or module: the registered ids they name
         self.env_ids = [resolve_env_id(e.id) for e in cfg.envs]
-        self.loaded = load_model(cfg.model)
+        self.loaded = load_policy(cfg)
         r = cfg.rollout
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
@@ -144,7 +144,7 @@ class Trainer:
         )
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)
-        self.ref = self._frozen(cfg.model) if self.algo.kl_coef > 0 else None
+        self.ref = self._frozen(cfg.model.path) if self.algo.kl_coef > 0 else None
         self.teacher = self._frozen(cfg.algorithm.teacher) if cfg.algorithm.teacher else None
         (self.run_dir / "config.yaml").write_text(_yaml(cfg))
         self.log = RunLog(self.run_dir, total_steps=cfg.trainer.total_steps)
@@ -513,6 +513,13 @@ def _yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def load_policy(cfg: TrainConfig) -> LoadedModel:
+    """The policy as the config's `model` section describes it (folder, template, template kwargs, tool format)."""
+    m = cfg.model
+    return load_model(m.path, chat_template=m.chat_template, template_kwargs=m.template_kwargs,
+                      tool_format=m.tool_format)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Runs a training job; under torchrun, rank 0 trains and the other ranks follow its backend calls."""
     rank, size = world()
@@ -520,6 +527,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ValueError("only trainer.backend=megatron runs under torchrun; the torch backend is one process")
     if rank == 0:
         return asyncio.run(Trainer(cfg).run())
-    backend = make_backend(cfg, load_model(cfg.model))
+    backend = make_backend(cfg, load_policy(cfg))
     calls = follow(backend, make_loss_fn(cfg.algorithm.to_algorithm_config()))
     return {"rank": rank, "backend_calls": calls, "version": backend.version}

@@ -1,4 +1,5 @@
-"""Inference engines: one async protocol (`Engine`), an embedded transformers engine, an SGLang client.
+"""Inference engines: one async protocol (`Engine`), an embedded transformers engine, an SGLang client,
+and a scripted engine that replays hand-written replies (to test an env without a model).
 
 Implementations import lazily, so `from relax_gym.engines import Engine` costs no
 torch, httpx or FastAPI import.
@@ -28,6 +29,9 @@ _LAZY = {
     "create_app": "relax_gym.engines.server",
     "serve": "relax_gym.engines.server",
     "ServerLimits": "relax_gym.engines.server_limits",
+    "ScriptError": "relax_gym.engines.scripted",
+    "ScriptedEngine": "relax_gym.engines.scripted",
+    "ScriptedTurn": "relax_gym.engines.scripted",
 }
 
 __all__ = [
@@ -42,6 +46,9 @@ __all__ = [
     "SGLangEngine",
     "SGLangServer",
     "SamplingParams",
+    "ScriptError",
+    "ScriptedEngine",
+    "ScriptedTurn",
     "ServerLimits",
     "create_app",
     "launch_sglang_server",

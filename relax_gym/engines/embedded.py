@@ -63,7 +63,6 @@ from relax_gym.models import LoadedModel, encode_media
 
 # Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids"})
-EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
@@ -238,7 +237,7 @@ class EmbeddedEngine:
         self.batch_window_s = batch_window_s
         self.device = next(self.model.parameters()).device
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = loaded.stop_token_ids()
         self.placeholder_token_ids = self._placeholder_ids()
         tokenizer = loaded.tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids)
@@ -355,17 +354,6 @@ class EmbeddedEngine:
         with self._processor_lock:  # processors are not thread-safe
             out = encode_media(self.loaded, text, images, audios)
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in TOKEN_KEYS}
-
-    def _eos_ids(self) -> frozenset[int]:
-        """The tokenizer's EOS, Qwen's turn / document ends, and the generation config's EOS ids."""
-        tokenizer = self.loaded.tokenizer
-        vocab = tokenizer.get_vocab()
-        ids = {vocab[t] for t in EOS_TOKENS if t in vocab}
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        configured = self.model.generation_config.eos_token_id
-        ids.update([configured] if isinstance(configured, int) else configured or [])
-        return frozenset(ids)
 
     def _placeholder_ids(self) -> tuple[int, ...]:
         """The image / video / audio placeholder ids the processor expands and the model fills."""

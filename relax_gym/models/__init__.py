@@ -8,6 +8,7 @@
 from relax_gym.models.chat_template import CHAT_TEMPLATE
 from relax_gym.models.inputs import (
     MEDIA_KEYS,
+    ChatTemplateError,
     chat_text,
     encode,
     encode_media,
@@ -31,6 +32,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "MEDIA_KEYS",
     "TINY_MODELS",
+    "ChatTemplateError",
     "LoadedModel",
     "ModelLoadError",
     "build_tiny_audio",

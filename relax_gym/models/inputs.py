@@ -11,12 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
 import numpy as np
 import torch
 from transformers import BatchFeature
 
 from relax_gym.messages import Message
 from relax_gym.models.loading import LoadedModel
+
+
+class ChatTemplateError(ValueError):
+    """The chat template raised while rendering (its message says why)."""
+
 
 # Per-media features that stack along dim 0 across turns, in the order the media appear.
 MEDIA_KEYS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
@@ -52,15 +58,24 @@ def chat_text(
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
-    """The conversation rendered by the model's chat template (the processor's, if it has one)."""
+    """The conversation rendered by the model's chat template (the processor's, if it has one).
+
+    A template that refuses the conversation (`raise_exception`, as Mistral's does
+    when roles do not alternate) raises `ChatTemplateError`, a ValueError.
+    """
     template = loaded.processor.chat_template if loaded.processor is not None else None
-    return loaded.tokenizer.apply_chat_template(
-        template_messages(loaded, messages),
-        tools=tools,
-        chat_template=template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-    )
+    try:
+        return loaded.tokenizer.apply_chat_template(
+            template_messages(loaded, messages),
+            tools=tools,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **loaded.template_kwargs,
+        )
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"the chat template of {loaded.name} refused the conversation: "
+                                f"{type(err).__name__}: {err}") from None
 
 
 def _resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:

@@ -7,8 +7,11 @@ disk, read with `local_files_only=True`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -41,9 +44,29 @@ class LoadedModel:
     processor: ProcessorMixin | None
     modalities: tuple[str, ...]
     name: str
+    #: keyword arguments every chat-template render gets (e.g. `enable_thinking: false`)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: how tool calls are read from this model's text: "auto" (from the tokenizer) or a format name
+    tool_format: str = "auto"
+
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end an assistant turn: the tokenizer's EOS, the generation config's, ChatML's turn ends.
+
+        Real checkpoints list every turn end in `generation_config.json` (Llama 3.1: `<|eot_id|>`,
+        `<|eom_id|>`; gpt-oss: `<|return|>`, `<|call|>`); ChatML's are added for folders without one.
+        """
+        tokenizer = self.tokenizer
+        vocab = tokenizer.get_vocab()
+        ids = {vocab[t] for t in CHATML_TURN_ENDS if t in vocab}
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update([configured] if isinstance(configured, int) else configured or [])
+        return frozenset(i for i in ids if isinstance(i, int))  # looked up in the vocab: never the unk id
 
 
 TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-vl", "tiny-audio")
+CHATML_TURN_ENDS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
 
 
 def _build_tiny(name: str) -> LoadedModel:
@@ -81,15 +104,78 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+def resolve_checkpoint(name_or_path: str) -> str:
+    """The step folder that a training run's `latest` pointer names, so a run's checkpoint loads as a model.
+
+    `RUN/checkpoints/latest` (the pointer file), `RUN/checkpoints` and `RUN`
+    resolve to `RUN/checkpoints/step_N`; anything else (a tiny model's name, a
+    model folder with its config.json) is returned unchanged. A pointer that
+    does not name an existing step is a `ModelLoadError` naming the file.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not _is_checkpoint(path):
+        pointer = next((p for p in (path / "latest", path / "checkpoints" / "latest") if p.is_file()), None)
+        if pointer is None:
+            return name_or_path
+    elif path.name == "latest" and path.is_file():
+        pointer = path
+    else:
+        return name_or_path
+    try:
+        text = pointer.read_text(errors="replace").strip()
+    except OSError as err:
+        raise ModelLoadError(f"checkpoint pointer {pointer}: cannot read it: {err.strerror or err}") from None
+    if not text.isdigit():
+        raise ModelLoadError(f"checkpoint pointer {pointer} holds {text[:40]!r}, not a step number")
+    step = pointer.parent / f"step_{int(text)}"
+    if not step.is_dir():
+        raise ModelLoadError(f"checkpoint pointer {pointer} names step {int(text)}, but {step} is missing")
+    return str(step)
+
+
 def load_model(
-    name_or_path: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    name_or_path: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    chat_template: str | Path | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    tool_format: str = "auto",
 ) -> LoadedModel:
     """A tiny model by name, else a local checkpoint folder; `dtype=None` keeps fp32 / the saved dtype.
 
     A checkpoint folder whose name is also a tiny model's (`./tiny-vl`) wins: the
     user who has one there means it. Any failure to read a folder is a
-    `ModelLoadError` naming the folder and the cause.
+    `ModelLoadError` naming the folder and the cause. `chat_template` (a Jinja
+    file) replaces the checkpoint's template; `template_kwargs` reach every render;
+    `tool_format` names how tool calls are read from the model's text. A training
+    run's checkpoint pointer loads the step it names (`resolve_checkpoint`).
     """
+    name_or_path = resolve_checkpoint(name_or_path)
+    loaded = _load(name_or_path, dtype, device)
+    if chat_template is not None:
+        use_chat_template(loaded, chat_template)
+    loaded.template_kwargs = dict(template_kwargs or {})
+    loaded.tool_format = tool_format
+    return loaded
+
+
+def use_chat_template(loaded: LoadedModel, path: str | Path) -> None:
+    """Replaces the tokenizer's (and processor's) chat template with the Jinja file at `path`."""
+    path = Path(path).expanduser()
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"chat template {path}: cannot read it: {type(err).__name__}: "
+                             f"{_first_line(err)}") from None
+    if not template.strip():
+        raise ModelLoadError(f"chat template {path}: the file is empty")
+    loaded.tokenizer.chat_template = template
+    if loaded.processor is not None:
+        loaded.processor.chat_template = template
+
+
+def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.device) -> LoadedModel:
     path = Path(name_or_path).expanduser()
     if name_or_path in TINY_MODELS and not _is_checkpoint(path):
         loaded = _build_tiny(name_or_path)
@@ -102,14 +188,22 @@ def load_model(
         raise _not_found(name_or_path, f"no folder at {path}")
     if not _is_checkpoint(path):
         raise _not_found(name_or_path, f"the folder {path} has no config.json")
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a bar per shard is noise in a run's one screen of output
     try:
-        return _load_folder(path, dtype, device)
+        with quiet_progress():
+            return _load_folder(path, dtype, device)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
         # transformers reports a bad folder in many types (empty config: ValueError, no weights: OSError,
         # a truncated safetensors file: SafetensorError, a RuntimeError); the user needs one line
         raise ModelLoadError(f"model folder {path}: cannot load it: {type(err).__name__}: {_first_line(err)}") from err
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No per-shard progress bars: loading or saving a model (every checkpoint) would fill a run's one screen."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
     finally:
         if bars:
             hf_logging.enable_progress_bar()

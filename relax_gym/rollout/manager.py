@@ -23,6 +23,7 @@ from relax_gym.engines.base import Engine, EngineError, EngineUnavailableError, 
 from relax_gym.models import LoadedModel
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, TemplateError
+from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
 from relax_gym.trajectory import Status, Trajectory
 
 
@@ -73,10 +74,11 @@ class EnvPool:
             self._idle.pop().close()
 
 
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    tok = loaded.tokenizer
-    ids = {tok.eos_token_id, *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))}
-    return {i for i in ids if isinstance(i, int) and i != tok.unk_token_id}
+def tool_format_of(loaded: LoadedModel) -> ToolCallFormat:
+    """How `loaded`'s tool calls are read: the format its options name, else the one its tokenizer implies."""
+    if loaded.tool_format == "auto":
+        return tool_format_for(loaded.tokenizer)
+    return get_tool_format(loaded.tool_format)
 
 
 class RolloutManager:
@@ -98,7 +100,9 @@ class RolloutManager:
         self.max_concurrency = max_concurrency
         self._threads_for: asyncio.AbstractEventLoop | None = None
         self._pools: dict[tuple[str, str], EnvPool] = {}
-        self.eos_ids = _eos_ids(loaded)
+        self.eos_ids = loaded.stop_token_ids()
+        #: given to every env that reads tool calls (`ToolEnv.tool_format`): the model's own format
+        self.tool_format = tool_format_of(loaded)
         #: when set, every request is seeded from (this, task seed, member of the group, turn), so a
         #: run's samples do not depend on request timing or batching
         self.sampling_seed = sampling_seed
@@ -154,6 +158,8 @@ class RolloutManager:
                 episode = _Episode(self, None, pool.env_id, seed, group_id, member)
                 episode.end("failed", f"env make raised {type(err).__name__}: {err}")
                 return episode.trajectory()
+            if hasattr(env, "tool_format"):
+                env.tool_format = self.tool_format
             episode = _Episode(self, env, pool.env_id, seed, group_id, member)
             try:
                 await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
@@ -289,6 +295,9 @@ class _Episode:
             metrics["rerender_match"] = diff is None
             if diff is not None:
                 metrics["rerender_first_diff_char"] = diff
+                # strict appending kept the tokens the model saw; a template that rewrites history
+                # (drops old reasoning, moves the system prompt) re-renders them differently by design
+                metrics["rerender_expected"] = conv.traits is not None and conv.traits.rewrites_history is not None
         traj = Trajectory(
             token_ids=conv.token_ids if conv else [],
             prompt_len=conv.prompt_len if conv else 0,

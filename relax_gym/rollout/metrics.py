@@ -34,7 +34,9 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
             "generated_tokens_mean": fmean(t.num_generated for t in trajs),
             "generate_s": sum(x.get("generate_s", 0.0) for x in m),
             "env_s": sum(x.get("env_s", 0.0) for x in m),
-            "rerender_mismatches": sum(1 for x in m if x.get("rerender_match") is False),
+            "rerender_mismatches": sum(1 for x in m if x.get("rerender_match") is False
+                                       and not x.get("rerender_expected")),
+            "rerender_expected_diffs": sum(1 for x in m if x.get("rerender_expected")),
         }
     return out
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from relax_gym.engines.base import Engine, SamplingParams
 from relax_gym.errors import RunStopped
-from relax_gym.models import load_model
+from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout.manager import RolloutLimits, RolloutManager, settle_heap
 from relax_gym.rollout.metrics import status_breakdown, summarize
@@ -29,18 +29,19 @@ def make_engine(loaded: Any, engine_url: str | None = None, *, outage_timeout_s:
     return EmbeddedEngine(loaded, **embedded)
 
 
-async def rollout_to_file(*, env_id: str, model: str, n: int, group: int, out: str | Path, seed: int = 0,
+async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, group: int, out: str | Path, seed: int = 0,
                           engine_url: str | None = None, env_kwargs: dict[str, Any] | None = None,
                           temperature: float = 1.0, max_new_tokens: int = 128, max_turns: int = 8,
                           max_total_tokens: int = 4096, concurrency: int = 256) -> dict[str, dict[str, Any]]:
     """Runs `n` groups of `group` episodes; each group is written (and flushed) as soon as it finishes.
 
+    `model` is a name or folder, or a model already loaded (with its template options).
     `env_id` may be a `file.py` or module that registers the env. Everything is
     checked before the first episode (`startup.check_run`, StartupError); if
     every episode fails or aborts, the file is kept and RunStopped says why.
     """
     env_id = resolve_env_id(env_id)
-    loaded = load_model(model)
+    loaded = load_model(model) if isinstance(model, str) else model
     check_run(loaded, [EnvUse(env_id, env_kwargs or {}, "--env")], max_total_tokens=max_total_tokens,
               max_new_tokens=max_new_tokens, seed=seed)
     engine = make_engine(loaded, engine_url)

@@ -10,15 +10,19 @@ Each failure is a `StartupError` whose one line names the env, key or file.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from relax_gym.errors import StartupError
 from relax_gym.models import LoadedModel
+from relax_gym.models.template_traits import template_traits
 from relax_gym.registration import make
-from relax_gym.rollout.manager import _eos_ids
+from relax_gym.rollout.manager import tool_format_of
 from relax_gym.rollout.tokens import ConversationTokens
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,18 @@ def check_model(loaded: LoadedModel) -> None:
     if not template:
         raise StartupError(f"model {loaded.name}: it has no chat template (chat_template.jinja or "
                            "tokenizer_config.json's chat_template); add its family's template to the folder")
-    if not _eos_ids(loaded):
+    if not loaded.stop_token_ids():
         raise StartupError(f"model {loaded.name}: its tokenizer has no end-of-turn token (eos_token, <|im_end|> "
                            "or <|endoftext|>), so no generation could end a turn")
+    try:
+        tool_format_of(loaded)
+    except (KeyError, ValueError) as err:  # an unknown name, or a response_template transformers rejects
+        raise StartupError(f"model {loaded.name}: tool format: {err.args[0] if err.args else err}") from None
+    try:
+        template_traits(loaded)
+    except ValueError as err:
+        raise StartupError(f"model {loaded.name}: its chat template cannot be used for multi-turn episodes: "
+                           f"{_one_line(err)}") from err
 
 
 def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_new_tokens: int,
@@ -67,6 +80,10 @@ def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_ne
                                f"{loaded.name}: {_one_line(err)}") from err
     finally:
         env.close()
+    if conv.tools and conv.traits is not None and conv.traits.ignores_tools:
+        log.warning("%s: the chat template of %s ignores `tools`, so the model never sees the schemas of %s; "
+                    "pass a template that renders them (model.chat_template / --chat-template)", label,
+                    loaded.name, ", ".join(t.get("function", t).get("name", "?") for t in conv.tools))
     prompt = len(conv.token_ids)
     if prompt + max_new_tokens > max_total_tokens:
         raise StartupError(

@@ -1,12 +1,21 @@
-"""Exact token bookkeeping for one conversation: strict append, never re-tokenize.
+"""Exact token bookkeeping for one conversation: strict token-in / token-out, never re-render the history.
 
-Generated tokens are kept exactly as the engine produced them. Environment
-turns are appended as the chat-template delta: the new messages rendered after
-a fixed stand-in prefix (same system/tools header, a placeholder user and
-assistant turn), minus that prefix. Because the prefix never contains the real
-history, a template that rewrites earlier turns (e.g. strips old `<think>`
-blocks) cannot break the append; `rerender_diff` then measures how far the
-appended sequence is from a full re-render and the manager reports it.
+The policy's tokens are kept exactly as the engine produced them, and the
+trainer trains on exactly this sequence. Environment turns are appended as a
+chat-template delta computed without the real history: the template renders a
+stand-in conversation (the same system turn and tools, a placeholder user turn,
+a marker assistant turn) followed by the env's new messages and the next
+assistant header, and the delta is what follows the marker turn's own end token
+(`<|im_end|>`, `<|eot_id|>`, `<|end|>`, ...). In that render the marker turn is
+never the last message, which matters: real templates render a turn differently
+when it is last (Qwen3 writes an empty think block only on a last turn; gpt-oss
+ends a last turn with `<|return|>`), while a turn the env answers is never last.
+
+A template that rewrites earlier turns (Qwen3 drops old reasoning, Mistral moves
+the system prompt to the last user turn) therefore cannot break appending. A
+full re-render of such a conversation differs from the appended sequence by
+design; `template_diff` measures it and the manager reports it as expected
+(`rerender_expected`) when the template is known to rewrite history.
 """
 
 from __future__ import annotations
@@ -17,15 +26,19 @@ from typing import Any
 
 import torch
 
-from relax_gym.messages import Message, message
+from relax_gym.messages import Message, message, text
 from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render, sequence_inputs
+from relax_gym.models.template_traits import (
+    MARK,
+    NEXT,
+    TemplateError,
+    TemplateTraits,
+    common_prefix,
+    template_traits,
+)
 from relax_gym.trajectory import Segment
 
-_MARK = "\u2063RELAX\u2063"  # an invisible separator pair no template emits on its own
-
-
-class TemplateError(ValueError):
-    """The chat template does not behave as strict appending requires (named with the evidence)."""
+__all__ = ["ConversationTokens", "TemplateError"]
 
 
 def _media_of(messages: list[Message]) -> list[Any]:
@@ -65,15 +78,13 @@ class ConversationTokens:
     media_features: list[dict[str, torch.Tensor]] = field(default_factory=list)
     prompt_len: int = 0
     turns: int = 0
-    #: template text after an assistant's content, and the stand-in prefix rendered: fixed per conversation
-    _closing: str = ""
-    _stand_in_text: str = ""
+    traits: TemplateTraits | None = None
+    #: whether the last policy turn ended on a stop token (which then stands for the template's end token)
+    _ended_by_stop: bool = True
 
     @classmethod
     def start(cls, loaded: LoadedModel, messages: list[Message], tools: list[dict[str, Any]] | None = None):
-        conv = cls(loaded, tools or None, list(messages))
-        conv._closing = conv._probe_closing()
-        conv._stand_in_text = chat_text(loaded, conv._stand_in(), tools=conv.tools, add_generation_prompt=False)
+        conv = cls(loaded, tools or None, list(messages), traits=template_traits(loaded))
         text = chat_text(loaded, conv.messages, tools=conv.tools, add_generation_prompt=True)
         ids, features = _encode(loaded, text, conv.messages)
         conv._append(ids, "prompt", text, conv.messages, features)
@@ -96,7 +107,7 @@ class ConversationTokens:
                                      list(range(first_media, len(self.media)))))
 
     def append_generation(self, output_ids: list[int], logprobs: list[float], version: int,
-                          eos_ids: set[int]) -> str:
+                          eos_ids: set[int] | frozenset[int]) -> str:
         """Adds the policy's tokens (trained) and returns the assistant text the env receives."""
         if len(output_ids) != len(logprobs):
             raise ValueError(f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
@@ -106,7 +117,8 @@ class ConversationTokens:
         self.loss_mask += [1] * len(output_ids)
         self.logprobs += [float(x) for x in logprobs]
         self.versions += [version] * len(output_ids)
-        body = output_ids[:-1] if output_ids and output_ids[-1] in eos_ids else output_ids
+        self._ended_by_stop = bool(output_ids) and output_ids[-1] in eos_ids
+        body = output_ids[:-1] if self._ended_by_stop else output_ids
         content = self.loaded.tokenizer.decode(body, skip_special_tokens=False)
         full = self.loaded.tokenizer.decode(output_ids, skip_special_tokens=False)
         self.segments.append(Segment("policy", start, len(self.token_ids), self.turns, full))
@@ -114,48 +126,101 @@ class ConversationTokens:
         return content
 
     def append_observation(self, new_messages: list[Message]) -> int:
-        """Closes the assistant turn and appends the env's messages with the next assistant header."""
-        glue = self._closing_glue()
+        """Closes the assistant turn and appends the env's messages with the next assistant header.
+
+        Returns the number of tokens appended.
+        """
+        assert self.traits is not None  # set by `start`
+        end_token, rest = self._delta(new_messages)
+        closing = "" if self._ended_by_stop else end_token  # a stop token already stands for the end token
+        lead = len(rest) - len(rest.lstrip())
+        if new_messages and self.traits.starts_with_added_token(rest[lead:]) is None:
+            lead = 0  # whitespace before ordinary text tokenizes with it: keep the delta in one piece
+        glue, env = (closing + rest, "") if not new_messages else (closing + rest[:lead], rest[lead:])
+        appended = 0
         if glue:
             ids, _ = _encode(self.loaded, glue, [])
             self._append(ids, "glue", glue, [], {})
-        if not new_messages:
-            return len(glue)
-        delta = self._delta_text(new_messages)
-        ids, features = _encode(self.loaded, delta, new_messages)
-        self._append(ids, "env", delta, new_messages, features)
+            appended += len(ids)
+        if env:
+            ids, features = _encode(self.loaded, env, new_messages)
+            self._append(ids, "env", env, new_messages, features)
+            appended += len(ids)
         self.messages += new_messages
-        return len(ids)
+        return appended
 
-    # --- template probes ----------------------------------------------------------
-    def _stand_in(self) -> list[Message]:
+    # --- the template delta ---------------------------------------------------------
+    def _stand_in(self, calls_for: list[Message] | None = None) -> list[Message]:
+        """The conversation's system turn, a placeholder user turn and a marker assistant turn.
+
+        With `calls_for`, the marker turn carries tool calls named (and id'd) after
+        those tool results, for templates that look them up (gpt-oss names a tool
+        result after the call it answers).
+        """
         head = [self.messages[0]] if self.messages and self.messages[0]["role"] == "system" else []
-        return [*head, message("user", "x"), message("assistant", "x")]
+        calls = [{"type": "function", **({"id": m["tool_call_id"]} if m.get("tool_call_id") else {}),
+                  "function": {"name": m.get("name") or "tool", "arguments": {}}}
+                 for m in calls_for or () if m["role"] == "tool"]
+        assistant = message("assistant", MARK, **({"tool_calls": calls} if calls else {}))
+        return [*head, message("user", "x"), assistant]
 
-    def _probe_closing(self) -> str:
-        """What the template writes after an assistant's content (e.g. `<|im_end|>\\n`)."""
-        probe = [*self._stand_in()[:-1], message("assistant", _MARK)]
-        rendered = chat_text(self.loaded, probe, tools=self.tools, add_generation_prompt=False)
-        if rendered.count(_MARK) != 1:
-            raise TemplateError("the chat template does not render assistant content verbatim")
-        return rendered.split(_MARK, 1)[1]
+    def _delta(self, new_messages: list[Message]) -> tuple[str, str]:
+        """(the end token closing the assistant turn, the template text after it up to the next generation).
 
-    def _closing_glue(self) -> str:
-        """The template's closing text, less what the policy already wrote (its end-of-turn token)."""
-        generated_tail = self.segments[-1].text[len(self.messages[-1]["content"][0]["text"]):]
-        if generated_tail and self._closing.startswith(generated_tail):
-            return self._closing[len(generated_tail):]
-        return self._closing
+        The marker turn first goes without tool calls: a template that renders
+        calls may refuse ones it cannot take (Llama 3 takes one per turn), while the
+        text after the turn does not depend on them. Only if the template refuses
+        that does the marker turn carry calls matching the tool results.
+        """
+        try:
+            return self._delta_after(self._stand_in(), new_messages)
+        except ValueError:
+            if not any(m["role"] == "tool" for m in new_messages):
+                raise
+            return self._delta_after(self._stand_in(new_messages), new_messages)
 
-    def _delta_text(self, new_messages: list[Message]) -> str:
-        before = self._stand_in_text
-        after = chat_text(self.loaded, self._stand_in() + new_messages, tools=self.tools, add_generation_prompt=True)
-        if not after.startswith(before):
-            raise TemplateError(
-                "the chat template rewrites earlier turns when messages are appended; "
-                f"rendered prefix {before[-80:]!r} is not a prefix of {after[len(before) - 80:len(before) + 80]!r}"
-            )
-        return after[len(before):]
+    def _delta_after(self, stand_in: list[Message], new_messages: list[Message]) -> tuple[str, str]:
+        assert self.traits is not None
+        rendered = chat_text(self.loaded, stand_in + new_messages, tools=self.tools, add_generation_prompt=True)
+        if not new_messages:
+            after = rendered.split(MARK, 1)[1] if rendered.count(MARK) == 1 else ""
+            found = _first_of(after, self.traits.end_tokens)
+            if found is None:
+                raise TemplateError(f"the chat template ends an assistant turn with none of the end tokens "
+                                    f"{list(self.traits.end_tokens)}: {after[:120]!r}")
+            cut = len(rendered) - len(after) + found
+        else:
+            cut = self._end_of_stand_in(stand_in, new_messages, rendered)
+        end_token = next(t for t in self.traits.end_tokens if rendered.startswith(t, cut))
+        return end_token, rendered[cut + len(end_token):]
+
+    def _end_of_stand_in(self, stand_in: list[Message], new_messages: list[Message], rendered: str) -> int:
+        """Where the last end token before the first new message starts, in `rendered`.
+
+        Found in a render whose first new message holds a marker instead of its
+        content: the last end token between the stand-in turn's start and that
+        marker closes the stand-in turn (a header or a moved system prompt may
+        follow it). The text up to there must not depend on the new messages.
+        """
+        assert self.traits is not None
+        located = [{**new_messages[0], "content": [text(NEXT)]}, *new_messages[1:]]
+        probe = chat_text(self.loaded, stand_in + located, tools=self.tools, add_generation_prompt=True)
+        upto = probe.find(NEXT)
+        if upto < 0:
+            raise TemplateError(f"the chat template does not render the content of a {new_messages[0]['role']!r} "
+                                "message after an assistant turn")
+        floor = probe.find(MARK)
+        if floor < 0:  # the template left the marker content out (it rendered the tool calls alone)
+            asked = chat_text(self.loaded, stand_in[:-1], tools=self.tools, add_generation_prompt=True)
+            floor = common_prefix(asked, probe)
+        cut = max((probe.rfind(t, floor, upto) for t in self.traits.end_tokens), default=-1)
+        if cut < 0:
+            raise TemplateError(f"the chat template ends an assistant turn with none of the end tokens "
+                                f"{list(self.traits.end_tokens)}: {probe[floor:upto][:160]!r}")
+        if rendered[:cut] != probe[:cut]:
+            raise TemplateError("the chat template renders earlier turns differently depending on the content of "
+                                f"a new {new_messages[0]['role']!r} message: {rendered[max(0, cut - 80):cut]!r}")
+        return cut
 
     # --- outputs ------------------------------------------------------------------
     def engine_media(self) -> dict[str, torch.Tensor]:
@@ -166,15 +231,21 @@ class ConversationTokens:
     def model_inputs(self) -> Any:
         return sequence_inputs(self.loaded, self.token_ids, self.media_features)
 
-    def _full_render(self) -> tuple[list[int], bool]:
-        """The whole conversation rendered at once, and whether it ends on a policy turn.
+    def _history(self) -> tuple[list[Message], Segment | None]:
+        """The messages up to the last generation prompt, and the final policy turn if the sequence ends on one.
 
-        A re-render closes a final policy turn with template glue that was never
-        appended, so comparisons cut the re-render to the appended length.
+        A final policy turn is compared as generated: the template's own rendering
+        of a last assistant message (Qwen3 adds an empty think block) is not what
+        the model saw, which was the generation prompt followed by its tokens.
         """
-        ended_by_policy = self.segments[-1].kind == "policy"
-        return render(self.loaded, self.messages, tools=self.tools,
-                      add_generation_prompt=not ended_by_policy), ended_by_policy
+        last = self.segments[-1] if self.segments[-1].kind == "policy" else None
+        return (self.messages[:-1] if last is not None else self.messages), last
+
+    def rerendered_ids(self) -> list[int]:
+        """The token ids a full re-render gives (plus the final policy turn's own tokens)."""
+        history, last = self._history()
+        ids = render(self.loaded, history, tools=self.tools, add_generation_prompt=True)
+        return ids + (self.token_ids[last.start:last.end] if last is not None else [])
 
     def rerender_diff(self) -> int | None:
         """First token index where a full re-render differs from the appended sequence, or None.
@@ -184,26 +255,26 @@ class ConversationTokens:
         do not matter for training, which uses the exact tokens. `template_diff`
         separates template problems from them.
         """
-        rendered, ended_by_policy = self._full_render()
-        if ended_by_policy:
-            rendered = rendered[: len(self.token_ids)]
-        return _first_difference(self.token_ids, rendered)
+        return _first_difference(self.token_ids, self.rerendered_ids())
 
     def template_diff(self) -> int | None:
         """First character where the decoded sequence and a full re-render's text differ, or None.
 
         Decoded text does not depend on how it was tokenized, so a difference here
         is the template itself rendering the conversation differently than it was
-        appended. The re-render is compared as template text (no tokenizer, no
-        image processing): runs of a media placeholder token, which the processor
+        appended: expected for templates that rewrite history (`traits.rewrites_history`).
+        The re-render is compared as template text (no tokenizer, no image
+        processing): runs of a media placeholder token, which the processor
         expands, are collapsed to one on our side.
         """
-        ended_by_policy = self.segments[-1].kind == "policy"
-        full = chat_text(self.loaded, self.messages, tools=self.tools, add_generation_prompt=not ended_by_policy)
+        history, last = self._history()
+        full = chat_text(self.loaded, history, tools=self.tools, add_generation_prompt=True)
+        if last is not None:
+            full += last.text
         ours = self.loaded.tokenizer.decode(self.token_ids)
         for pad in _placeholders(self.loaded):
             ours = re.sub(f"(?:{re.escape(pad)})+", lambda _m, pad=pad: pad, ours)
-        return _first_difference(ours, full[: len(ours)] if ended_by_policy else full)
+        return _first_difference(ours, full)
 
 
 def _placeholders(loaded: LoadedModel) -> list[str]:
@@ -218,3 +289,10 @@ def _first_difference(a: Any, b: Any) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _first_of(text: str, tokens: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(t) for t in tokens) if i >= 0]
+    return min(found) if found else None
+
+
