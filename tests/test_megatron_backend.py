@@ -113,6 +113,7 @@ def _assert_matches_reference(r: dict[str, Any]) -> None:
     assert r["export_logprob_diff"] <= LOGPROB_TOL
     assert r["resumed_extra"] == {"next_task": 7} and r["resumed_version"] == 1
     assert r["resumed_next_loss"] == r["next_loss"]
+    assert r["checkpoint_hf_keys_match"] and r["checkpoint_hf_diff"] == 0.0
 
 
 # --- TP=1, in-process -----------------------------------------------------------------------
@@ -137,6 +138,12 @@ def test_train_step_matches_torch_reference(tp1: dict[str, Any]) -> None:
 def test_export_loads_into_hf_and_gives_the_same_logprobs(tp1: dict[str, Any]) -> None:
     assert tp1["exported_keys_match"]
     assert tp1["export_logprob_diff"] <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_checkpoint_is_an_hf_model_folder_holding_the_exported_weights(tp1: dict[str, Any]) -> None:
+    assert tp1["checkpoint_hf_keys_match"]
+    assert tp1["checkpoint_hf_diff"] == 0.0
 
 
 @pytest.mark.slow

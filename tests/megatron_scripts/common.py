@@ -144,6 +144,10 @@ def run_checks(make_backend: Callable[[], TrainBackend], hf_model: PreTrainedMod
             after, [hf_token_logprobs(reloaded, s.token_ids, TEMPERATURE)[0] for s in samples], "logprobs")
 
     backend.save_checkpoint(workdir / "checkpoint", {"next_task": 7})
+    # the checkpoint is also an HF model folder (rank 0 wrote it; every rank reads it back here)
+    saved = AutoModelForCausalLM.from_pretrained(workdir / "checkpoint", local_files_only=True).state_dict()
+    out["checkpoint_hf_keys_match"] = set(saved) == set(exported)
+    out["checkpoint_hf_diff"] = max((saved[k] - exported[k]).abs().max().item() for k in exported)
     out["next_loss"] = backend.train_step(samples, loss_fn, temperature=TEMPERATURE)["loss"]
     resumed = make_backend()
     out["resumed_extra"] = resumed.load_checkpoint(workdir / "checkpoint")

@@ -29,13 +29,16 @@ from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
 from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
+from relax_gym.trainer.backends.hf_folder import load_hf_weights, save_hf_folder
 from relax_gym.trainer.safe_load import numpy_rng_state, safe_load, safe_save, set_numpy_rng_state
 
 #: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
 #: memory beyond the logits themselves, whatever the vocabulary and sequence length.
 CHUNK_ELEMENTS = 2**25
 
-_MODEL_FILE, _OPTIMIZER_FILE, _STATE_FILE = "model.safetensors", "optimizer.pt", "trainer_state.pt"
+_OPTIMIZER_FILE, _STATE_FILE = "optimizer.pt", "trainer_state.pt"
+#: the weights of a checkpoint written before checkpoints were model folders, under in-memory names
+_LEGACY_MODEL_FILE = "model.safetensors"
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -360,12 +363,13 @@ class TorchBackend:
         return out
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        """`path/` gets model.safetensors (in-memory HF names, tied weights once), optimizer.pt, trainer_state.pt.
+        """`path/` becomes a Hugging Face model folder plus the training state: optimizer.pt, trainer_state.pt.
 
-        The model is saved with safetensors' `save_model` rather than
-        `save_pretrained`, which renames some models' keys to their original
-        checkpoint layout (Qwen2-Audio); resuming needs the in-memory names.
-        Export a loadable HF folder with `relax_gym.models.save_model`.
+        The model folder is what `save_pretrained` writes (config, generation
+        config, weights under their saved names) and the tokenizer or processor
+        with its chat template, so `from_pretrained(path)` loads the checkpoint.
+        The weights are stored once: `load_checkpoint` maps saved names back to
+        in-memory ones (see `relax_gym.trainer.backends.hf_folder`).
 
         The two .pt files hold only tensors and plain data, so that loading them
         cannot run code (`relax_gym.trainer.safe_load`); `extra` must be plain
@@ -374,7 +378,7 @@ class TorchBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_model(self.model, str(path / _MODEL_FILE))
+        save_hf_folder(path, self.model, self.loaded.processor or self.loaded.tokenizer)
         safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
         safe_save({"version": self.version, "extra": extra, "rng": _rng_states()}, path / _STATE_FILE)
 
@@ -384,11 +388,16 @@ class TorchBackend:
         A .pt file that holds anything but tensors and plain data (a planted
         pickle, or a checkpoint of a relax_gym that pickled numpy's RNG state)
         raises `UnsafeCheckpointError` before anything is restored, and is never unpickled.
+        A checkpoint from before checkpoints were model folders (no config.json:
+        model.safetensors under in-memory names) still resumes.
         """
         path = Path(path)
         optimizer_state = safe_load(path / _OPTIMIZER_FILE, map_location=self.device)
         state = safe_load(path / _STATE_FILE)
-        safetensors.torch.load_model(self.model, str(path / _MODEL_FILE), device=str(self.device))
+        if (path / "config.json").is_file():
+            load_hf_weights(self.model, path)
+        else:
+            safetensors.torch.load_model(self.model, str(path / _LEGACY_MODEL_FILE), device=str(self.device))
         self.optimizer.load_state_dict(optimizer_state)
         _set_rng_states(state["rng"])
         self.version = state["version"]

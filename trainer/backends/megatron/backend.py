@@ -25,6 +25,8 @@ Checkpoints are `torch.save` files (weights per model-parallel rank,
 optimizer shards and RNG per rank), loadable into the same (TP, PP, DP) layout.
 They hold only tensors and plain data and are read with
 `relax_gym.trainer.safe_load`, so resuming cannot run code planted in them.
+Rank 0 also writes the full weights under HF names, with the config and the
+tokenizer, so every checkpoint folder loads with `from_pretrained` too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,10 +51,18 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from relax_gym.models import TINY_MODELS, LoadedModel, load_model
 from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
+from relax_gym.trainer.backends.hf_folder import save_hf_folder
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 from relax_gym.trainer.safe_load import check_saved, numpy_rng_state, safe_load, set_numpy_rng_state
@@ -150,18 +160,40 @@ def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
         mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def _hf_source(model: ModelSource) -> tuple[PretrainedConfig, WeightSource]:
-    """The HF config and where its weights come from: a folder read lazily, or an in-memory model."""
+class _HFFiles(NamedTuple):
+    """What a checkpoint's HF model folder needs besides the weights and the config; None where unknown."""
+
+    tokenizer: Any | None  # the tokenizer (or processor), which saves the chat template too
+    generation_config: GenerationConfig | None
+
+
+def _hf_source(model: ModelSource) -> tuple[PretrainedConfig, WeightSource, _HFFiles]:
+    """The HF config, where its weights come from (a folder read lazily, or an in-memory model), and the files
+    that make a checkpoint a model folder."""
     if isinstance(model, str) and model in TINY_MODELS:
         model = load_model(model)
     if isinstance(model, LoadedModel):
-        model = model.model
+        files = _HFFiles(model.processor or model.tokenizer, model.model.generation_config)
+        return model.model.config, model.model.state_dict(), files
     if isinstance(model, PreTrainedModel):
-        return model.config, model.state_dict()
+        return model.config, model.state_dict(), _HFFiles(None, model.generation_config)
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a Hugging Face checkpoint folder (no config.json)")
-    return AutoConfig.from_pretrained(path, local_files_only=True), path
+    return AutoConfig.from_pretrained(path, local_files_only=True), path, _folder_files(path)
+
+
+def _folder_files(path: Path) -> _HFFiles:
+    """The tokenizer and generation config of a checkpoint folder, each None when the folder has none."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tokenizer = None
+    try:
+        generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        generation_config = None
+    return _HFFiles(tokenizer, generation_config)
 
 
 class MegatronBackend:
@@ -197,7 +229,7 @@ class MegatronBackend:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self.tp, self.pp, self.dp = tp, pp, mpu.get_data_parallel_world_size()
-        hf_config, weights = _hf_source(model)
+        hf_config, weights, self._hf_files = _hf_source(model)
         if hf_config.vocab_size % tp:
             # padding the vocabulary would add logits that the log-softmax would have to mask out
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
@@ -291,6 +323,11 @@ class MegatronBackend:
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Model, optimizer (+ LR scheduler), RNG states and `extra`; collective, all ranks write into `path`.
 
+        Rank 0 writes the Hugging Face model folder (the weights gathered under
+        HF names as `save_pretrained` stores them, config, generation config,
+        tokenizer and chat template), which every rank helps gather; resuming
+        reads the per-rank files below, which hold the same weights in this
+        layout's shards.
         `model_tp{t}_pp{p}.pt`: the (TP, PP) shard of the weights and the scheduler,
         from DP rank 0; `rank{r}.pt`: each rank's optimizer shard (the torch Adam
         states of its distributed-optimizer slice) and RNG states; `meta.pt`:
@@ -304,6 +341,14 @@ class MegatronBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        hf_weights = export_hf(self.bridge, self.models)  # collective: every rank takes part in the gather
+        hf_error = None
+        if dist.get_rank() == 0:
+            try:
+                self._save_hf(path, hf_weights)
+            except Exception as err:  # raised after the barrier, so no rank is left waiting for this one
+                hf_error = err
+        del hf_weights
         written = []
         if mpu.get_data_parallel_rank() == 0:
             written.append(path / f"model_{self._mp_tag()}.pt")
@@ -317,8 +362,19 @@ class MegatronBackend:
             torch.save({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout(),
                         "extra": extra}, written[-1])
         dist.barrier()
+        if hf_error is not None:
+            raise hf_error
         for file in written:  # after the barrier: a rank that raises leaves none waiting
             check_saved(file)
+
+    def _save_hf(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+        """`save_pretrained` of an HF model of the trained config holding `weights` (built without memory)."""
+        dtype = next(iter(weights.values())).dtype  # save_pretrained records the shell's dtype in config.json
+        with torch.device("meta"):  # save_pretrained needs the model only for its config and names
+            shell = AutoModelForCausalLM.from_config(self.bridge.hf_config, dtype=dtype)
+        if self._hf_files.generation_config is not None:
+            shell.generation_config = self._hf_files.generation_config
+        save_hf_folder(path, shell, self._hf_files.tokenizer, state_dict=weights)
 
     @compat.on_cpu
     @torch.no_grad()  # fp32 main params are views of the (grad-requiring) model params; loading writes them

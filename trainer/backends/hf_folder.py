@@ -1,0 +1,53 @@
+"""A checkpoint's Hugging Face model files: how a backend writes them and reads its weights back exactly.
+
+Every `step_N/` folder is a model folder that `from_pretrained` loads: config,
+generation config, weights as `save_pretrained` writes them, and the
+tokenizer or processor with its chat template. Some models' saved names are
+not their in-memory names (`save_pretrained` reverts Qwen2-Audio's
+`model.audio_tower.*` to the original `audio_tower.*` layout), so resuming
+reads the weights back through transformers' own loading path, which applies
+the same key mapping forwards, instead of keeping a second, in-memory-named
+copy of the weights: one copy on disk, bit-identical weights after resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from relax_gym.models.loading import quiet_progress
+
+
+def save_hf_folder(folder: Path, model: PreTrainedModel, files: Any | None,
+                   state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """`model.save_pretrained(folder)` (with `state_dict` as its weights when given) and `files.save_pretrained`.
+
+    `files` is the tokenizer, or the processor of a VL / audio model (which saves
+    its tokenizer and chat template too); None writes the model alone.
+    """
+    with quiet_progress():
+        model.save_pretrained(folder, state_dict=state_dict)
+        if files is not None:
+            files.save_pretrained(folder)
+
+
+def load_hf_weights(model: PreTrainedModel, folder: Path) -> None:
+    """Copies the weights saved in `folder` into `model` in place, under their in-memory names, exactly.
+
+    transformers maps saved names to in-memory ones while it loads, so the
+    weights go through `from_pretrained` into a CPU copy (in `model`'s dtype, so
+    no value is cast) and from there into `model`. That costs one model's worth
+    of CPU memory for the duration. A weight the folder lacks, or one it has
+    that `model` does not, is an error rather than a silently initialised tensor.
+    """
+    with quiet_progress():
+        saved, info = type(model).from_pretrained(folder, dtype=model.dtype, local_files_only=True,
+                                                  output_loading_info=True)
+    problems = {key: sorted(info[key])[:5] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                if info[key]}
+    if problems:
+        raise ValueError(f"{folder}: the saved weights do not fit the {type(model).__name__} being trained: {problems}")
+    model.load_state_dict(saved.state_dict())

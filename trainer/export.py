@@ -1,0 +1,111 @@
+"""`relax-gym export`: a checkpoint's Hugging Face model files, verified, in a clean folder of their own.
+
+A `step_N/` folder already is a model folder (see
+`relax_gym.trainer.backends.hf_folder`), but it also holds the training state
+(optimizer, RNG, per-rank Megatron shards: every such file is a `.pt`) and the
+manifest. Export copies the rest, the files `from_pretrained` reads, checking
+each against the manifest while copying into a hidden folder beside the
+destination that is renamed into place only once every file has matched, so
+a damaged checkpoint never becomes a model folder that looks fine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_gym.errors import StartupError
+from relax_gym.models.loading import resolve_checkpoint
+from relax_gym.trainer.checkpoint import MANIFEST
+
+#: suffixes of a step folder's training state, which a model folder leaves out (both backends write only .pt)
+TRAINING_STATE_SUFFIXES = (".pt",)
+
+
+class ExportError(StartupError):
+    """A checkpoint that cannot be exported, or a destination that would be overwritten; the message says which."""
+
+
+@dataclass
+class Exported:
+    source: Path  # the step folder
+    destination: Path
+    files: list[str]  # relative to both
+
+
+def model_files(manifest: dict[str, dict[str, object]]) -> list[str]:
+    """The manifest's entries that make up the model folder: all but the training state."""
+    return sorted(name for name in manifest if not name.endswith(TRAINING_STATE_SUFFIXES))
+
+
+def step_folder(run: Path, step: int | None) -> Path:
+    """The checkpoint to export: `run`'s step `step`, else the one its `latest` pointer names.
+
+    `run` is a run folder, its `checkpoints` folder, the pointer itself or a step folder.
+    """
+    if step is None:
+        return Path(resolve_checkpoint(str(run)))
+    checkpoints = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    folder = checkpoints / f"step_{step}"
+    if not folder.is_dir():
+        steps = sorted(int(p.name[5:]) for p in checkpoints.glob("step_*") if p.name[5:].isdigit())
+        raise ExportError(f"{folder} is missing; {checkpoints} holds steps {steps or 'none'}")
+    return folder
+
+
+def export_checkpoint(run: str | Path, destination: str | Path, step: int | None = None) -> Exported:
+    """Copies a checkpoint's model files (no training state, no manifest) to `destination`, verified.
+
+    `destination` must be new or empty: an export never mixes with, or
+    replaces, files already there.
+    """
+    source = step_folder(Path(run).expanduser(), step)
+    if not source.is_dir():
+        raise ExportError(f"no checkpoint at {source}: pass a run folder, its checkpoints folder or a step folder")
+    destination = Path(destination).expanduser().resolve()
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
+        raise ExportError(f"{destination} exists and is not an empty folder; export into a new or empty one")
+    try:
+        manifest = json.loads((source / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{source}: no readable {MANIFEST} ({type(err).__name__}), so its files cannot be "
+                          "verified; is it a relax-gym checkpoint?") from None
+    files = model_files(manifest)
+    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+        raise ExportError(f"{source} holds no Hugging Face model (config.json and *.safetensors): it was written "
+                          "before checkpoints were model folders; a run resumed from it writes them from its next "
+                          "checkpoint on")
+    partial = destination.parent / f".{destination.name}.export-partial"
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        for name in files:
+            _copy_verified(source / name, partial / name, manifest[name])
+        partial.replace(destination)  # an empty destination folder is replaced as a whole
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename else ""
+        raise ExportError(f"export to {destination} failed: {err.strerror or err}{where}") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return Exported(source, destination, files)
+
+
+def _copy_verified(src: Path, dst: Path, want: dict[str, object]) -> None:
+    """Copies `src` to `dst`, hashing the bytes copied; raises ExportError unless they are the manifest's."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    try:
+        reader = src.open("rb")
+    except FileNotFoundError:
+        raise ExportError(f"{src} is missing, though the manifest lists it: the checkpoint is damaged") from None
+    with reader, dst.open("wb") as writer:
+        for block in iter(lambda: reader.read(1 << 20), b""):
+            digest.update(block)
+            writer.write(block)
+            size += len(block)
+    if size != want["bytes"] or digest.hexdigest() != want["sha256"]:
+        raise ExportError(f"{src} does not match its manifest entry ({size} bytes, the manifest says "
+                          f"{want['bytes']}): the checkpoint is damaged; export another step with --step")
