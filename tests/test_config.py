@@ -94,3 +94,18 @@ def test_algorithm_section_is_checked_by_the_algorithms_own_config(base):
     assert algo.algorithm == "gspo" and algo.aggregation == "seq-mean-token-mean"
     with pytest.raises(ConfigError, match="dual_clip_c"):
         load_config(base, ["algorithm.dual_clip_c=0.5"])
+
+
+def test_model_is_a_section_with_a_path_shorthand(base, tmp_path):
+    assert load_config(base, ["model=/m"]).model.path == "/m"
+    cfg = load_config(base, ["model=/m", "model.chat_template=t.jinja", "model.template_kwargs.enable_thinking=false"])
+    assert (cfg.model.path, cfg.model.chat_template, cfg.model.template_kwargs) == ("/m", "t.jinja",
+                                                                                   {"enable_thinking": False})
+    # a later `model=DIR` keeps the template options set before it
+    cfg = load_config(base, ["model.tool_format=mistral", "model=/n"])
+    assert (cfg.model.path, cfg.model.tool_format) == ("/n", "mistral")
+    full = tmp_path / "full.yaml"
+    full.write_text(BASE + "model: {path: /p, template_kwargs: {reasoning_effort: low}}\n")
+    assert load_config(full).model.template_kwargs == {"reasoning_effort": "low"}
+    with pytest.raises(ConfigError, match=r"Did you mean 'model\.chat_template'"):
+        load_config(base, ["model.chat_templat=x"])

@@ -22,7 +22,7 @@ from relax_gym import ToolEnv, tool
 from relax_gym.cli import main
 from relax_gym.engines import GenerateOutput, GenerateRequest, ScriptedEngine, ScriptedTurn
 from relax_gym.messages import message
-from relax_gym.models import LoadedModel, chat_text, load_model
+from relax_gym.models import LoadedModel, ModelLoadError, chat_text, load_model
 from relax_gym.models.template_traits import template_traits
 from relax_gym.rollout import RolloutLimits, RolloutManager
 from relax_gym.rollout.manager import tool_format_of
@@ -95,6 +95,19 @@ def family(request):
     return FAMILIES[request.param]
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each family's checkpoint folder, written once: what a user's --model points at."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: FAMILIES[name].save(root / name) for name in NAMES}
+
+
+def test_relax_gym_preflight_certifies_each_family_checkpoint(saved, family, capsys):
+    assert main(["preflight", "--model", str(saved[family.name]), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["certified"] and (report["rewrites_history"] is not None) == family.rewrites_history
+
+
 def test_preflight_certifies_every_family_and_names_what_differs(family):
     loaded = family.loaded()
     report = report_dict(loaded, preflight(loaded))
@@ -159,9 +172,8 @@ def test_a_tool_episode_in_the_family_format_keeps_exact_tokens(name):
     assert env.text.endswith(header)  # then the next assistant header, as the generation prompt writes it
 
 
-def test_qwen3_thinking_off_reaches_every_render(tmp_path):
-    folder = FAMILIES["qwen3"].save(tmp_path / "qwen3")
-    loaded = load_model(str(folder), template_kwargs={"enable_thinking": False})
+def test_qwen3_thinking_off_reaches_every_render(saved):
+    loaded = load_model(str(saved["qwen3"]), template_kwargs={"enable_thinking": False})
     fmt = tool_format_of(loaded)
     engine = Recording(loaded, [fmt.write_calls([("get_weather", {"city": "Paris"})]), "It is 18 °C."])
     (traj,) = _run(loaded, engine, "test/FamilyWeather-v0", n=1)
@@ -174,9 +186,24 @@ def test_qwen3_thinking_off_reaches_every_render(tmp_path):
     assert traj.metrics["rerender_match"] is False and traj.metrics["rerender_expected"]
 
 
-def test_a_verbatim_qwen3_checkpoint_runs_multi_turn_from_the_cli(tmp_path, capsys):
+def test_a_chat_template_file_replaces_the_checkpoints_and_a_missing_one_is_named(saved, tmp_path):
+    template = tmp_path / "llama3.jinja"
+    template.write_text(FAMILIES["llama3"].chat_template)
+    loaded = load_model(str(saved["qwen2.5"]), chat_template=template)
+    assert "<|start_header_id|>" in chat_text(loaded, [message("user", "x")])
+    with pytest.raises(ModelLoadError, match=r"nope\.jinja"):
+        load_model(str(saved["qwen2.5"]), chat_template=tmp_path / "nope.jinja")
+
+
+def test_an_unknown_tool_format_stops_the_run_before_it_starts(saved, tmp_path, capsys):
+    code = main(["rollout", "--env", "relax/GuessNumber-v0", "--model", str(saved["qwen3"]), "--out",
+                 str(tmp_path / "t.jsonl"), "--tool-format", "xml"])
+    assert code == 2 and "unknown tool-call format 'xml'" in capsys.readouterr().out
+
+
+def test_a_verbatim_qwen3_checkpoint_runs_multi_turn_from_the_cli(saved, tmp_path, capsys):
     """The issue's reproduction: a Qwen3-template checkpoint, GuessNumber and MathTool, no failed episode."""
-    folder = FAMILIES["qwen3"].save(tmp_path / "qwen3")
+    folder = saved["qwen3"]
     for env_id, extra in (("relax/GuessNumber-v0", []), ("relax/MathTool-v0", ["--max-new-tokens", "24"])):
         out = tmp_path / f"{env_id.split('/')[1]}.jsonl"
         code = main(["rollout", "--env", env_id, "--model", str(folder), "-n", "3", "--group", "2",
