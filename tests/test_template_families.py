@@ -215,3 +215,12 @@ def test_a_verbatim_qwen3_checkpoint_runs_multi_turn_from_the_cli(saved, tmp_pat
             t.check()
             assert sum(t.loss_mask) == t.num_generated > 0
     assert "differ from a full re-render (see" not in capsys.readouterr().out  # no unexpected differences
+
+
+def test_an_env_built_with_its_own_tool_format_keeps_it():
+    relax_gym.register("test/FamilyWeatherMistral-v0", Weather, tool_format="mistral")
+    loaded = FAMILIES["qwen2.5"].loaded()  # a Hermes model, whose manager would hand out Hermes
+    mistral = relax_gym.tools.get_tool_format("mistral")
+    engine = Recording(loaded, [mistral.write_calls([("get_weather", {"city": "Paris"})]), "18 °C."])
+    (traj,) = _run(loaded, engine, "test/FamilyWeatherMistral-v0", n=1)
+    assert traj.status == "completed" and traj.infos[-1]["tool_calls"] == 1, traj.status_reason

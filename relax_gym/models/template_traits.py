@@ -91,7 +91,7 @@ def _rewrites_history(loaded: LoadedModel) -> str | None:
         try:
             last = _render(loaded, asked)
             followed = _render(loaded, [*asked, message("user", NEXT)])
-        except Exception:  # a template that refuses a system turn: probe without one
+        except ValueError:  # a template that refuses a system turn (ChatTemplateError): probe without one
             continue
         if MARK not in last or MARK not in followed:
             return "it drops the content of earlier assistant turns"
@@ -99,8 +99,8 @@ def _rewrites_history(loaded: LoadedModel) -> str | None:
         if before_last != before_followed:
             if "<think>" in before_last and "<think>" not in before_followed:
                 return "it drops the reasoning of assistant turns once a later user turn follows"
-            return (f"an assistant turn renders as {before_last[-60:]!r} when last and as {before_followed[-60:]!r} "
-                    "once a message follows it")
+            return (f"the conversation up to an assistant turn renders as {before_last[-60:]!r} while the turn is "
+                    f"last and as {before_followed[-60:]!r} once a message follows it")
         end_last = last.split(MARK, 1)[1]
         end_followed = followed.split(MARK, 1)[1]
         if not end_followed.startswith(end_last):
@@ -117,6 +117,7 @@ def _rewrites_history(loaded: LoadedModel) -> str | None:
 
 
 def common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -129,7 +130,7 @@ def _ignores_tools(loaded: LoadedModel) -> bool:
     asked = [message("user", "x")]
     try:
         return _render(loaded, asked, generation=True, tools=[_PROBE_TOOL]) == _render(loaded, asked, generation=True)
-    except Exception:  # a template that raises on tools does not ignore them silently
+    except ValueError:  # a template that refuses tools (ChatTemplateError) does not ignore them silently
         return False
 
 

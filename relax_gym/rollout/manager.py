@@ -101,7 +101,7 @@ class RolloutManager:
         self._threads_for: asyncio.AbstractEventLoop | None = None
         self._pools: dict[tuple[str, str], EnvPool] = {}
         self.eos_ids = loaded.stop_token_ids()
-        #: given to every env that reads tool calls (`ToolEnv.tool_format`): the model's own format
+        #: given to every env that reads tool calls (`ToolEnv.tool_format`) and was not made with a format
         self.tool_format = tool_format_of(loaded)
         #: when set, every request is seeded from (this, task seed, member of the group, turn), so a
         #: run's samples do not depend on request timing or batching
@@ -158,8 +158,8 @@ class RolloutManager:
                 episode = _Episode(self, None, pool.env_id, seed, group_id, member)
                 episode.end("failed", f"env make raised {type(err).__name__}: {err}")
                 return episode.trajectory()
-            if hasattr(env, "tool_format"):
-                env.tool_format = self.tool_format
+            if hasattr(env, "tool_format") and "tool_format" not in vars(env):
+                env.tool_format = self.tool_format  # the model's format, unless the env was made with one
             episode = _Episode(self, env, pool.env_id, seed, group_id, member)
             try:
                 await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)

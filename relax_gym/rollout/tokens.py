@@ -191,7 +191,7 @@ class ConversationTokens:
             cut = len(rendered) - len(after) + found
         else:
             cut = self._end_of_stand_in(stand_in, new_messages, rendered)
-        end_token = next(t for t in self.traits.end_tokens if rendered.startswith(t, cut))
+        end_token = max((t for t in self.traits.end_tokens if rendered.startswith(t, cut)), key=len)
         return end_token, rendered[cut + len(end_token):]
 
     def _end_of_stand_in(self, stand_in: list[Message], new_messages: list[Message], rendered: str) -> int:
