@@ -5,8 +5,8 @@ answer) and its tools as `@tool` methods; the turn loop, tool-call parsing,
 error observations, turn limits and state snapshots live here once.
 
 `tool_format` reads the model's reply: Hermes `<tool_call>` blocks by default; the
-rollout manager sets the format of its tokenizer's model family
-(`relax_gym.tools.tool_format_for`). `score` gets the reply's content, without its
+rollout manager sets the format of its model's family (`relax_gym.tools.tool_format_for`)
+on an env not built with a `tool_format` of its own. `score` gets the reply's content, without its
 reasoning (a `<think>` block, harmony's analysis channel) and tool-call markup.
 
 A turn's tool calls are bounded, since the model writes them: at most
