@@ -124,14 +124,12 @@ class AudioQAEnv(SingleTurnEnv):
         observation, reward, terminated, truncated, info = super().step(action)
         return observation, reward, terminated, truncated, {**info, "answer": self.tasks[self.task].answer}
 
-    def get_state(self) -> dict[str, Any]:
-        return {"index": self.task, "done": self.done}
-
     def set_state(self, state: dict[str, Any]) -> None:
-        index = state["index"]
+        """Refuses a snapshot of a record this env's dataset lacks (taken on another data file)."""
+        index = state["episode"].get("task")
         if index is not None and not 0 <= index < len(self.tasks):
             raise ValueError(f"state index {index} is outside this dataset's {len(self.tasks)} records")
-        self.task, self.done = index, bool(state["done"])
+        super().set_state(state)
 
     # --- prompt -------------------------------------------------------------------
     def prompt_messages(self, index: int) -> list[Message]:

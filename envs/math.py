@@ -4,7 +4,7 @@ Records come from the shipped synthetic set or a user's file in the
 dapo-math-17k layout (`prompt`: chat messages, `reward_model.ground_truth`),
 or the plainer `{"problem" | "question", "answer"}` layout, which gets the
 \\boxed{} instruction added. `MathEnv` asks once; `MathToolEnv` lets the model
-run Python in the sandbox first.
+run Python in the sandbox first. Both write the same four hooks, shared in `MathHooks`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,31 @@ def _task_index(options: dict[str, Any] | None, n_tasks: int) -> int | None:
     return index
 
 
-class MathEnv(SingleTurnEnv):
+class MathHooks:
+    """The task hooks both math envs share: a tool env is a single-turn env whose turns may call tools."""
+
+    tasks: list[MathTask]
+    system_prompt: str | None
+    answer_format: AnswerFormat
+    timeout_s: float
+
+    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> MathTask:
+        index = _task_index(options, len(self.tasks))
+        if index is None:
+            index, _ = pick(self.tasks, rng)
+        return self.tasks[index]
+
+    def prompt_messages(self, task: MathTask) -> list[Message]:
+        return task.messages(self.system_prompt)
+
+    def grade(self, task: MathTask, answer: str) -> RewardResult:
+        return math_reward(answer, task.answer, answer_format=self.answer_format, timeout_s=self.timeout_s)
+
+    def task_info(self, task: MathTask) -> dict[str, Any]:
+        return {"task_index": task.index}
+
+
+class MathEnv(MathHooks, SingleTurnEnv):
     """Single-turn math: answer in \\boxed{}, graded by math-verify equivalence.
 
     `split` picks the shipped file and is ignored when `data_path` names the
@@ -169,23 +193,8 @@ class MathEnv(SingleTurnEnv):
         self.timeout_s = timeout_s
         super().__init__()
 
-    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> MathTask:
-        index = _task_index(options, len(self.tasks))
-        if index is None:
-            index, _ = pick(self.tasks, rng)
-        return self.tasks[index]
 
-    def prompt_messages(self, task: MathTask) -> list[Message]:
-        return task.messages(self.system_prompt)
-
-    def grade(self, task: MathTask, answer: str) -> RewardResult:
-        return math_reward(answer, task.answer, answer_format=self.answer_format, timeout_s=self.timeout_s)
-
-    def task_info(self, task: MathTask) -> dict[str, Any]:
-        return {"task_index": task.index}
-
-
-class MathToolEnv(ToolEnv):
+class MathToolEnv(MathHooks, ToolEnv):
     """Multi-turn math with a sandboxed `python` tool; final answer in \\boxed{}."""
 
     metadata: ClassVar[dict[str, Any]] = {**ToolEnv.metadata, "modalities": ("text",), "sandbox": True}
@@ -226,22 +235,6 @@ class MathToolEnv(ToolEnv):
                 self._sandbox = Sandbox(self.sandbox_config)
             sandbox = self._sandbox
         return sandbox.run(code).summary()
-
-    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
-        index = _task_index(options, len(self.tasks))
-        if index is None:
-            index, _ = pick(self.tasks, rng)
-        return {"index": index}
-
-    def prompt_messages(self) -> list[Message]:
-        return self.tasks[self.episode["task"]["index"]].messages(self.system_prompt)
-
-    def score(self, answer: str) -> RewardResult:
-        gold = self.tasks[self.episode["task"]["index"]].answer
-        return math_reward(answer, gold, answer_format=self.answer_format, timeout_s=self.timeout_s)
-
-    def episode_info(self) -> dict[str, Any]:
-        return {"task_index": self.episode["task"]["index"]}
 
     def close(self) -> None:
         with self._sandbox_lock:

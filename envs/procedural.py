@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
+from relax_gym.core import Env, EpisodeState, StepResult
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_boxed, extract_tag
 from relax_gym.single_turn import SingleTurnEnv
@@ -90,14 +90,14 @@ class ArithmeticEnv(SingleTurnEnv):
         how = "Reply with just the integer." if self.answer_format == "plain" else "Put the final answer in \\boxed{}."
         return {"prompt": f"What is {expression}? {how}", "answer": int(value)}
 
-    def grade(self, task: dict[str, Any], action: str) -> RewardResult:
+    def grade(self, task: dict[str, Any], answer: str) -> RewardResult:
         if self.answer_format == "boxed":
-            boxed = extract_boxed(action)
+            boxed = extract_boxed(answer)
             if boxed is None:
                 return RewardResult(0.0, detail="no \\boxed{} answer found")
             text = boxed
         else:
-            text = action
+            text = answer
         guess = last_integer(text)
         if guess is None:
             return RewardResult(0.0, detail="no integer found", extracted=text[:100] or None)
@@ -145,9 +145,9 @@ class CountdownEnv(SingleTurnEnv):
         )
         return {"prompt": prompt, "numbers": numbers, "target": value, "solution": solution}
 
-    def grade(self, task: dict[str, Any], action: str) -> RewardResult:
+    def grade(self, task: dict[str, Any], answer: str) -> RewardResult:
         """TinyZero's countdown reward: 0 without an <answer>, `format_score` for a wrong one, 1 if right."""
-        equation = extract_tag(action, "answer")
+        equation = extract_tag(answer, "answer")
         if equation is None:
             return RewardResult(0.0, detail="no <answer>...</answer> found")
         partial = self.format_score
@@ -192,9 +192,7 @@ class GuessNumberEnv(EpisodeState, Env[list[Message]]):
         return [message("user", prompt)], {"turn": 0}
 
     def step(self, action: str) -> StepResult:
-        ep = self.episode
-        if not ep or ep["done"]:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
+        ep = self.running_episode()
         ep["turn"] += 1
         guess = last_integer(action)
         info: dict[str, Any] = {"turn": ep["turn"], "guess": guess}

@@ -82,21 +82,18 @@ class ReasoningGymEnv(SingleTurnEnv):
         return [*system, message("user", task["entry"]["question"])]
 
     def grade(self, task: dict[str, Any], answer: str) -> RewardResult:
-        return self.score(answer, task["entry"])
+        """The last <answer> block (else the whole reply), graded by the dataset; a grader crash is an error."""
+        tagged = extract_tag(answer, "answer")
+        given = answer.strip() if tagged is None else tagged
+        try:
+            score = float(self.dataset.score_answer(given, task["entry"]))
+        except Exception as err:  # third-party graders raise anything on odd input
+            return RewardResult(0.0, "error", f"score_answer raised {type(err).__name__}: {err}", given[:200])
+        if not math.isfinite(score):
+            return RewardResult(0.0, "error", f"score_answer returned {score}", given[:200])
+        detail = None if tagged is not None else "no <answer> tag; graded the whole reply"
+        return RewardResult(score, detail=detail, extracted=given[:200])
 
     def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
         source = (task["entry"].get("metadata") or {}).get("source_dataset", self.dataset_name)
         return {"dataset": self.dataset_name, "source_dataset": str(source), "index": task["index"]}
-
-    def score(self, action: str, entry: dict[str, Any]) -> RewardResult:
-        """The last <answer> block (else the whole reply), graded by the dataset; a grader crash is an error."""
-        tagged = extract_tag(action, "answer")
-        answer = action.strip() if tagged is None else tagged
-        try:
-            score = float(self.dataset.score_answer(answer, entry))
-        except Exception as err:  # third-party graders raise anything on odd input
-            return RewardResult(0.0, "error", f"score_answer raised {type(err).__name__}: {err}", answer[:200])
-        if not math.isfinite(score):
-            return RewardResult(0.0, "error", f"score_answer returned {score}", answer[:200])
-        detail = None if tagged is not None else "no <answer> tag; graded the whole reply"
-        return RewardResult(score, detail=detail, extracted=answer[:200])

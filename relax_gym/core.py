@@ -17,6 +17,7 @@ import numpy as np
 
 from relax_gym.messages import Message, validate_messages
 from relax_gym.spaces import ActionText, MessageSpace
+from relax_gym.tools.function_tool import TOOL_MARK
 
 ObsT = TypeVar("ObsT")
 
@@ -54,6 +55,14 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
     #: False for envs whose reset/step take microseconds (pure Python, no I/O): the default async
     #: methods then call them on the event loop, since a worker-thread hop costs more than the step
     blocking: ClassVar[bool] = True
+
+    #: names of the class's `@tool`-marked methods, collected once when the class is defined, so
+    #: `ToolEnv.make_tools` and `relax_gym.describe` need not scan the class each time
+    tool_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.tool_names = tuple(n for n in dir(cls) if getattr(getattr(cls, n, None), TOOL_MARK, False))
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -95,10 +104,22 @@ class EpisodeState:
     """Mixin for envs that keep everything about the running episode in `self.episode`.
 
     A snapshot is that dict plus the env's RNG state, so `set_state` resumes
-    exactly, random draws included.
+    exactly, random draws included. `self.episode["done"]` marks an episode
+    over; `running_episode` is the one reset-before-step guard every env shares.
     """
 
     episode: dict[str, Any]
+
+    def running_episode(self) -> dict[str, Any]:
+        """`self.episode`, or EpisodeOverError before the first reset or once the episode is done.
+
+        Called first thing in `step`, so stepping a finished episode fails loudly
+        instead of grading or advancing it again.
+        """
+        episode = getattr(self, "episode", None)
+        if not episode or episode.get("done", True):
+            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
+        return episode
 
     def get_state(self) -> dict[str, Any]:
         return {"episode": copy.deepcopy(self.episode), "rng": copy.deepcopy(self.np_random.bit_generator.state)}

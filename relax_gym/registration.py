@@ -32,7 +32,6 @@ import gymnasium
 from gymnasium.envs.registration import EnvSpec, load_env_creator, parse_env_id
 
 from relax_gym.core import Env
-from relax_gym.tools import TOOL_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +176,7 @@ def describe(id: str) -> dict[str, Any]:
     """Modalities, tools and sandbox use declared by the env class, without creating it."""
     cls = env_class(id)
     meta = getattr(cls, "metadata", {}) or {}
-    tools = tuple(meta.get("tools") or ())
-    if not tools and inspect.isclass(cls):
-        tools = tuple(n for n in dir(cls) if getattr(getattr(cls, n, None), TOOL_MARK, False))
+    tools = tuple(meta.get("tools") or ()) or tuple(getattr(cls, "tool_names", ()))  # collected by Env subclassing
     entry = spec(id).entry_point
     return {
         "id": id,

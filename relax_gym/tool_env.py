@@ -1,12 +1,14 @@
-"""`ToolEnv`: a multi-turn env where the model calls tools, then answers.
+"""`ToolEnv`: a single-turn env whose turns may call tools.
 
-A subclass provides `new_task` (what to ask), `score` (how to grade the final
-answer) and its tools as `@tool` methods; the turn loop, tool-call parsing,
-error observations, turn limits and state snapshots live here once.
+A subclass writes the hooks of `SingleTurnEnv` (`new_task`, `prompt_messages(task)`,
+`grade(task, answer)`, `task_info(task)`) plus its tools as `@tool` methods. A reply
+with tool calls gets their results and another turn; the first reply without one is
+graded and ends the episode. The turn loop, tool-call parsing, error observations,
+turn limits and state snapshots live here once.
 
 `tool_format` reads the model's reply: Hermes `<tool_call>` blocks by default; the
 rollout manager sets the format of its model's family (`relax_gym.tools.tool_format_for`)
-on an env not built with a `tool_format` of its own. `score` gets the reply's content, without its
+on an env not built with a `tool_format` of its own. `grade` gets the reply's content, without its
 reasoning (a `<think>` block, harmony's analysis channel) and tool-call markup.
 
 A turn's tool calls are bounded, since the model writes them: at most
@@ -23,26 +25,22 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-import numpy as np
-
-from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
-from relax_gym.messages import Message, Part, message, text
-from relax_gym.rewards import RewardResult
-from relax_gym.spaces import MessageSpace
-from relax_gym.tools import TOOL_MARK, ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
+from relax_gym.core import StepResult
+from relax_gym.messages import Message, message, text
+from relax_gym.single_turn import SingleTurnEnv
+from relax_gym.tools import ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
 from relax_gym.tools.formats import HERMES, make_call_id
 
 
-class ToolEnv(EpisodeState, Env[list[Message]]):
-    """Base for tool-using envs. Episode state lives in `self.episode` so snapshots are automatic."""
+class ToolEnv(SingleTurnEnv):
+    """Base for tool-using envs: `self.episode` also counts turns and tool calls, so snapshots stay automatic."""
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata}
+    metadata: ClassVar[dict[str, Any]] = {**SingleTurnEnv.metadata}
     max_turns: int = 6
     #: calls past this many in one turn are not run; the model is told how many were skipped
     max_tool_calls_per_turn: int = 4
     #: seconds the tool calls of one step may take together; calls unfinished by then are reported as timed out
     step_timeout_s: float = 60.0
-    system_prompt: str | None = None
     #: how `step` reads tool calls, reasoning and content from the model's reply
     tool_format: ToolCallFormat = HERMES
 
@@ -54,6 +52,7 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         step_timeout_s: float | None = None,
         tool_format: ToolCallFormat | str | None = None,
     ):
+        super().__init__()
         if max_turns is not None:
             if max_turns < 1:
                 raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -71,53 +70,25 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
             self.tool_format = get_tool_format(tool_format) if isinstance(tool_format, str) else tool_format
         self.toolset = ToolSet(self.make_tools())
         self.metadata = {**type(self).metadata, "tools": self.toolset.names}
-        modalities = tuple(self.metadata.get("modalities", ("text",)))
-        self.observation_space = MessageSpace(modalities=modalities)
-        self.episode: dict[str, Any] = {}
-
-    # --- what a subclass provides -------------------------------------------------
-    def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
-        """A task dict with at least `prompt` (str or list of parts); drawn from `rng` only."""
-        raise NotImplementedError
-
-    def score(self, answer: str) -> RewardResult | float:
-        """Grades the final (tool-call-free) answer, without its reasoning, against `self.episode["task"]`."""
-        raise NotImplementedError
 
     def make_tools(self) -> list[Callable[..., Any]]:
-        """The tools to offer: by default every method marked with `@tool`."""
-        cls = type(self)
-        return [getattr(self, n) for n in dir(cls) if getattr(getattr(cls, n, None), TOOL_MARK, False)]
-
-    def prompt_messages(self) -> list[Message]:
-        prompt = self.episode["task"]["prompt"]
-        parts: list[Part | str] = [prompt] if isinstance(prompt, str) else list(prompt)
-        msgs = [message("system", self.system_prompt)] if self.system_prompt else []
-        return [*msgs, message("user", *parts)]
+        """The tools to offer: by default every method marked with `@tool` (the class's `tool_names`)."""
+        return [getattr(self, n) for n in self.tool_names]
 
     # --- the loop -----------------------------------------------------------------
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.toolset.schemas
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        super().reset(seed=seed)
-        task = self.new_task(self.np_random, dict(options or {}))
-        self.episode = {"task": task, "turn": 0, "tool_calls": 0, "tool_successes": 0, "tool_errors": 0, "done": False}
-        return self.prompt_messages(), self._info()
+    def _start_episode(self, task: Any) -> dict[str, Any]:
+        return {**super()._start_episode(task), "turn": 0, "tool_calls": 0, "tool_successes": 0, "tool_errors": 0}
 
     def step(self, action: str) -> StepResult:
-        ep = self.episode
-        if not ep or ep["done"]:
-            raise EpisodeOverError("call reset() before step(); the episode has not started or is over")
+        ep = self.running_episode()
         ep["turn"] += 1
         parsed = self.tool_format.parse(action)
         if not parsed.has_tool_calls:
-            ep["done"] = True
-            result = self.score(parsed.content)
-            if not isinstance(result, RewardResult):
-                result = RewardResult(score=float(result), status="ok")
-            return [], float(result.score), True, False, self._info(reward=result.to_info())
+            return self._finish(parsed.content)
         observation: list[Message] = []
         # a format whose templates want an id on every tool result (Mistral v3) gets one on each, made up
         # for parser errors and notes, which answer no call; otherwise only a call that carries one passes it on
@@ -183,11 +154,7 @@ class ToolEnv(EpisodeState, Env[list[Message]]):
         expired.set()
         return list(results)
 
-    def episode_info(self) -> dict[str, Any]:
-        """JSON-serialisable facts about the running episode for every `info` (a subclass adds its own)."""
-        return {}
-
     def _info(self, **extra: Any) -> dict[str, Any]:
         ep = self.episode
         counts = {k: ep[k] for k in ("turn", "tool_calls", "tool_successes", "tool_errors")}
-        return {**counts, **self.episode_info(), **extra}
+        return {**counts, **super()._info(**extra)}

@@ -89,7 +89,7 @@ class TallyEnv(ToolEnv):
         self.tally += times
         return f"tally {self.tally}"
 
-    def score(self, answer):
+    def grade(self, task, answer):
         return float(answer.strip() == str(self.tally))
 
 

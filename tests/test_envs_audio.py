@@ -259,7 +259,7 @@ def test_state_round_trip_resumes_the_same_question() -> None:
     gold = SPLITS["train"][info["index"]]["answer"]
     assert fresh.step(f"<answer>{gold}</answer>")[1] == 1.0
     with pytest.raises(ValueError, match="outside"):
-        fresh.set_state({"index": 999, "done": False})
+        fresh.set_state({**state, "episode": {"task": 999, "done": False}})
 
 
 def test_cache_is_bounded() -> None:

@@ -41,7 +41,7 @@ class Weather(ToolEnv):
     def new_task(self, rng, options):
         return {"prompt": "What is the weather in Paris?"}
 
-    def score(self, answer: str) -> float:
+    def grade(self, task, answer: str) -> float:
         return float("18" in answer)
 
     @tool

@@ -29,8 +29,8 @@ class Lookup(ToolEnv):
             raise ToolError(f"no value for {key!r}; keys are a, b, c")
         return ord(key)
 
-    def score(self, answer):
-        return float(answer.strip() == str(ord(self.episode["task"]["key"])))
+    def grade(self, task, answer):
+        return float(answer.strip() == str(ord(task["key"])))
 
 
 def call(args) -> str:
@@ -132,7 +132,7 @@ class Tools(ToolEnv):
     def new_task(self, rng, options):
         return {"prompt": "Use the tools."}
 
-    def score(self, answer):
+    def grade(self, task, answer):
         return 0.0
 
     @tool(concurrent=True)

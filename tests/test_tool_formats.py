@@ -494,7 +494,7 @@ class Lookup(ToolEnv):
         """
         return ord(key)
 
-    def score(self, answer: str) -> float:
+    def grade(self, task: dict[str, Any], answer: str) -> float:
         return float(answer.strip() == "97")
 
 

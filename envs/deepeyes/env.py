@@ -159,9 +159,9 @@ class DeepEyesEnv(ToolEnv):
         self.episode["view"] = full_view(self._current_image())
         return observation, self._info()
 
-    def prompt_messages(self) -> list[Message]:
+    def prompt_messages(self, task: dict[str, Any]) -> list[Message]:
         """The system prompt, then the user text with the full image where its `<image>` placeholder was."""
-        body = self.episode["task"]["text"]
+        body = task["text"]
         before, _, after = body.partition(IMAGE_PLACEHOLDER) if IMAGE_PLACEHOLDER in body else ("", "", body)
         shown = self._render(full_view(self._current_image()))
         texts = (before.strip(), after.replace(IMAGE_PLACEHOLDER, "").strip())
@@ -185,9 +185,10 @@ class DeepEyesEnv(ToolEnv):
     def _render(self, view: View) -> Image.Image:
         return render(self._current_image(), view, self.min_image_side, self.max_image_side)
 
-    def episode_info(self) -> dict[str, Any]:
+    def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The record, and the episode's current view and reward parts once there are any."""
         ep = self.episode
-        ours: dict[str, Any] = {"record": ep["task"]["index"]}
+        ours: dict[str, Any] = {"record": task["index"]}
         if "view" in ep:
             ours["view"] = {"box": list(ep["view"]["box"]), "rotation": ep["view"]["rotation"]}
         if "reward_parts" in ep:
@@ -233,8 +234,7 @@ class DeepEyesEnv(ToolEnv):
         return [text(caption), image(shown)]
 
     # --- reward ---------------------------------------------------------------------
-    def score(self, answer: str) -> RewardResult:
-        task = self.episode["task"]
+    def grade(self, task: dict[str, Any], answer: str) -> RewardResult:
         tagged = extract_tag(answer)
         prediction = answer.strip() if tagged is None else tagged
         acc = self._judge(task, prediction) if self.judge else self._match(task, answer)
