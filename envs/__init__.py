@@ -1,7 +1,9 @@
 """Bundled environments, registered under the `relax/` namespace.
 
-Entry points are strings, so listing ids imports no env module; each module
-loads when its env is first made.
+`import relax_gym` imports this package once, which registers every id below
+(gymnasium's way: the package registers its own envs; entry points are for
+third-party packages). Entry points are strings, so registering imports no env
+module; each loads when its env is first made.
 """
 
 from relax_gym.registration import register
@@ -19,6 +21,7 @@ BUNDLED: dict[str, str] = {
 
 
 def register_envs() -> None:
+    """Registers the bundled ids; calling it again re-registers the same specs, which changes nothing."""
     for env_id, entry_point in BUNDLED.items():
         register(env_id, entry_point)
 

@@ -1,24 +1,48 @@
 """relax_gym: agentic environments for LLMs, VLMs and audio models, with an RL trainer.
 
 `import relax_gym` registers the bundled envs (ids under `relax/`) with both
-relax_gym's and gymnasium's registries.
+relax_gym's and gymnasium's registries, by importing `relax_gym.envs`, whose
+string entry points load no env module. Third-party plugins (entry-point group
+`relax_gym.envs`) load on the first lookup (`make`, `spec`, `list_envs`), so
+importing any submodule (the engines, the trainer) runs no env or plugin code.
 """
 
-from relax_gym.core import Env, EpisodeOverError
-from relax_gym.registration import UnknownEnvError, describe, list_envs, make, register, registry, spec
+from importlib import metadata as _metadata
+
+from relax_gym import envs  # noqa: F401  (registers the bundled ids, once)
+from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
+from relax_gym.registration import (
+    EnvArgumentError,
+    UnknownEnvError,
+    describe,
+    list_envs,
+    make,
+    register,
+    registry,
+    spec,
+)
+from relax_gym.rewards import RewardResult
 from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import Tool, tool
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("relax-gym")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Env",
+    "EnvArgumentError",
     "EpisodeOverError",
+    "EpisodeState",
+    "RewardResult",
     "SingleTurnEnv",
+    "StepResult",
     "Tool",
     "ToolEnv",
     "UnknownEnvError",
+    "__version__",
     "describe",
     "list_envs",
     "make",
@@ -27,7 +51,3 @@ __all__ = [
     "spec",
     "tool",
 ]
-
-from relax_gym.registration import _load_plugins
-
-_load_plugins()

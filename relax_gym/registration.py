@@ -9,6 +9,12 @@ gymnasium's wrappers no longer forward.
 Commands take env *targets*, not only ids: `resolve_env_id` turns a
 `file.py`, a module, or `source:NAME` into the registered id it names, and
 `import_env_source` is the one place a file or module is imported for its ids.
+
+Third-party packages add ids through the `relax_gym.envs` entry-point group.
+Those are loaded on the first lookup (`make`, `spec`, `list_envs`, ...), not at
+import, so `import relax_gym.engines` on every torchrun rank runs no plugin
+code. This module names no env: the bundled ones are registered by the
+package itself (`relax_gym/__init__.py` imports `relax_gym.envs`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import importlib.util
 import inspect
 import logging
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +45,10 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "relax_gym.envs"
 
 registry: dict[str, EnvSpec] = {}
-_plugins_loaded = False
+#: "pending" until the first lookup, "loading" while that lookup runs the entry points, then "loaded"
+_plugins_state = "pending"
+#: reentrant: a plugin that looks ids up while it loads must not wait on itself
+_plugins_lock = threading.RLock()
 #: ids each imported file or module registered, so importing it again (a no-op) still finds them
 _source_ids: dict[str, set[str]] = {}
 
@@ -65,8 +75,6 @@ def register(
 ) -> EnvSpec:
     """Registers `entry_point` (a class, factory or "module:attr") under `id`; `kwargs` are defaults."""
     parse_env_id(id)  # raises gymnasium's error naming the malformed part
-    if id in registry:
-        logger.warning("re-registering %s: the new entry point replaces the old one", id)
     spec = EnvSpec(
         id=id,
         entry_point=entry_point,
@@ -74,9 +82,20 @@ def register(
         nondeterministic=nondeterministic,
         kwargs=dict(kwargs),
     )
+    if id in registry and not _same_spec(registry[id], spec):  # the same registration again changes nothing
+        logger.warning("re-registering %s: the new entry point replaces the old one", id)
     registry[id] = spec
     gymnasium.registry[id] = spec
     return spec
+
+
+def _same_spec(old: EnvSpec, new: EnvSpec) -> bool:
+    """Whether `new` repeats `old` (a module imported twice, an install whose stale metadata still lists the
+    bundled envs' old entry point), so re-registering it is silent: only a real replacement is worth a warning."""
+    try:
+        return bool(old == new)
+    except Exception:  # kwargs whose == is not a bool (arrays): call them different
+        return False
 
 
 def _changed_ids(before: dict[str, EnvSpec]) -> list[str]:
@@ -109,17 +128,19 @@ def _load_plugin(ep: importlib.metadata.EntryPoint) -> None:
 
 
 def _load_plugins() -> None:
-    """Registers the bundled envs, then those of third-party packages' entry points."""
-    global _plugins_loaded
-    if _plugins_loaded:
+    """Registers the ids of third-party packages' entry points, once, on the first lookup rather than at import."""
+    global _plugins_state
+    if _plugins_state == "loaded":
         return
-    _plugins_loaded = True
-    import relax_gym.envs  # noqa: F401  (registers the bundled ids)
-
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value.startswith("relax_gym.envs"):
-            continue
-        _load_plugin(ep)
+    with _plugins_lock:  # a second thread waits here until the first has loaded them all
+        if _plugins_state != "pending":  # loaded meanwhile, or this thread's plugin is looking ids up
+            return
+        _plugins_state = "loading"
+        try:
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                _load_plugin(ep)
+        finally:  # once, even if listing the entry points failed: a lookup must not retry on every call
+            _plugins_state = "loaded"
 
 
 def spec(id: str) -> EnvSpec:
@@ -134,6 +155,7 @@ def spec(id: str) -> EnvSpec:
 
 
 def list_envs() -> list[str]:
+    """Every registered id, sorted; the first call loads the plugins."""
     _load_plugins()
     return sorted(registry)
 
@@ -195,6 +217,7 @@ def _is_module_name(text: str) -> bool:
 
 def split_env_target(target: str) -> tuple[str | None, str]:
     """(`source`, `NAME`) of `file.py[:NAME]` or `module[:NAME]`; (None, "") when `target` can only be an id."""
+    _load_plugins()  # a plugin's id is an id, not a module to import
     source, colon, name = target.partition(":")
     if source.endswith(".py") or (colon and source and _is_module_name(source)):
         return source, name

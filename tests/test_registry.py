@@ -95,14 +95,14 @@ PLUGIN = textwrap.dedent("""
 """)
 
 
-def _plugin_dist(tmp_path, entry_points: str) -> dict[str, str]:
+def _plugin_dist(tmp_path, entry_points: str, package: str = "thirdparty_envs", source: str = PLUGIN) -> dict[str, str]:
     """A real installed-looking distribution on PYTHONPATH: a package plus its dist-info with entry points."""
-    pkg = tmp_path / "thirdparty_envs"
+    pkg = tmp_path / package
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(PLUGIN)
-    dist = tmp_path / "thirdparty_envs-0.1.dist-info"
+    (pkg / "__init__.py").write_text(source)
+    dist = tmp_path / f"{package}-0.1.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-envs\nVersion: 0.1\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(f"[relax_gym.envs]\n{entry_points}\n")
     return {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
 
@@ -132,6 +132,65 @@ def test_entry_points_that_register_nothing_are_named_in_a_warning(tmp_path):
     idle = [w for w in warned if "`idle = thirdparty_envs:register_nothing`" in w]
     assert len(idle) == 1 and "did not call relax_gym.register" in idle[0]
     assert {r["id"] for r in json.loads(out.stdout)} == set(BUNDLED)
+
+
+LAZY_PLUGIN = textwrap.dedent("""
+    import threading
+    import time
+
+    import relax_gym
+
+    calls = []
+
+    class Lazy(relax_gym.Env):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return [relax_gym.messages.user("hi")], {}
+
+        def step(self, action):
+            return [], 0.0, True, False, {}
+
+    def register():
+        calls.append(threading.get_ident())
+        time.sleep(0.2)  # a second thread looking ids up meanwhile must wait, not load the plugins again
+        relax_gym.register("lazy/Lazy-v0", Lazy)
+
+    def explode():
+        raise RuntimeError("boom")
+""")
+
+IMPORT_THEN_LOOK_UP = textwrap.dedent("""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import relax_gym.engines, relax_gym.models, relax_gym.rewards, relax_gym.trainer
+
+    print(sorted(m for m in sys.modules if m.startswith("relax_gym.envs.") or m.startswith("lazy_plugin")))
+    print("--- looking up", file=sys.stderr, flush=True)
+    import relax_gym
+
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(relax_gym.spec, ["lazy/Lazy-v0"] * 4))
+    print(len(sys.modules["lazy_plugin"].calls), len({s.id for s in found}), "lazy/Lazy-v0" in relax_gym.list_envs())
+    print(sorted(m for m in sys.modules if m.startswith("relax_gym.envs.")))
+""")
+
+
+def test_importing_a_submodule_loads_no_env_and_no_plugin_until_an_id_is_looked_up(tmp_path):
+    """torchrun followers import the engines and trainer: they must not run env modules or third-party code."""
+    env = _plugin_dist(tmp_path, "lazy = lazy_plugin:register\nbroken = lazy_plugin:explode", "lazy_plugin",
+                       LAZY_PLUGIN)
+    out = subprocess.run([sys.executable, "-c", IMPORT_THEN_LOOK_UP], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    at_import, counts, envs_after = out.stdout.splitlines()
+    assert at_import == "[]"  # no relax_gym.envs.<module> (math, procedural, deepeyes, ...) and no plugin module
+    assert counts == "1 1 True"  # loaded once although four threads looked up at the same time
+    assert envs_after == "[]"  # a lookup (even one that loads plugins) imports no bundled env module
+    before, _, after = out.stderr.partition("--- looking up")
+    assert "could not load" not in before  # no entry point ran at import
+    broken = [line for line in after.splitlines() if "could not load env plugin `broken = lazy_plugin:explode`" in line]
+    assert len(broken) == 1 and "(from lazy-plugin): RuntimeError: boom" in broken[0]
 
 
 def test_describe_reports_modalities_and_tools_without_building():

@@ -1,0 +1,33 @@
+"""`relax_gym.__all__` is the public face: a name added or dropped is a decision, so the list is pinned here."""
+
+import relax_gym
+
+EXPORTED = [
+    "Env",
+    "EnvArgumentError",
+    "EpisodeOverError",
+    "EpisodeState",
+    "RewardResult",
+    "SingleTurnEnv",
+    "StepResult",
+    "Tool",
+    "ToolEnv",
+    "UnknownEnvError",
+    "__version__",
+    "describe",
+    "list_envs",
+    "make",
+    "register",
+    "registry",
+    "spec",
+    "tool",
+]
+
+
+def test_all_is_the_pinned_sorted_list():
+    assert relax_gym.__all__ == EXPORTED == sorted(EXPORTED)
+
+
+def test_every_exported_name_is_an_attribute():
+    missing = [name for name in relax_gym.__all__ if not hasattr(relax_gym, name)]
+    assert not missing, missing
