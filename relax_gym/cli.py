@@ -138,17 +138,42 @@ def _template_flags(p: argparse.ArgumentParser) -> None:
                         "hermes | llama3 | mistral | deepseek | harmony")
 
 
+#: `relax-gym rollout`'s flags that are aliases of a rollout-section field: (flag, field, type, what it is)
+ROLLOUT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--group", "group_size", int, "episodes per task (same seed)"),
+    ("--temperature", "temperature", float, "sampling temperature, 0 = greedy"),
+    ("--max-new-tokens", "max_new_tokens", int, "tokens per generation"),
+    ("--max-turns", "max_turns", int, "policy turns per episode (an env may stop sooner by its own rule)"),
+    ("--max-total-tokens", "max_total_tokens", int, "tokens per episode"),
+    ("--concurrency", "concurrency", int, "episodes at once"),
+)
+#: where `relax-gym rollout` departs from the section's defaults: one episode per task, a look rather than a batch
+ROLLOUT_COMMAND_DEFAULTS: dict[str, object] = {"group_size": 1}
+
+
+def _rollout_given(args: argparse.Namespace) -> dict[str, object]:
+    """The rollout-section fields the command's defaults and its alias flags set (only flags given)."""
+    given = dict(ROLLOUT_COMMAND_DEFAULTS)
+    given |= {field: getattr(args, field) for _, field, _, _ in ROLLOUT_FLAGS if getattr(args, field) is not None}
+    if args.engine_url is not None:
+        given |= {"engine": "sglang", "engine_url": args.engine_url}
+    return given
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     import asyncio
 
     from relax_gym.rollout.run import rollout_to_file
+    from relax_gym.trainer.config import load_rollout_config
 
-    summary = asyncio.run(rollout_to_file(
-        env_id=args.env, model=_load(args), n=args.n, group=args.group, out=args.out, seed=args.seed,
-        engine_url=args.engine_url, env_kwargs=_key_values(args.env_arg), temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
-        concurrency=args.concurrency,
-    ))
+    rollout = load_rollout_config(_rollout_given(args), args.settings)
+    if "groups_per_step" in rollout.model_fields_set:
+        from relax_gym.errors import StartupError
+
+        raise StartupError("rollout.groups_per_step is a training setting (groups per optimizer step); "
+                           "relax-gym rollout plays -n tasks")
+    summary = asyncio.run(rollout_to_file(env_id=args.env, model=_load(args), n=args.n, out=args.out, seed=args.seed,
+                                          rollout=rollout, env_kwargs=_key_values(args.env_arg)))
     console.print(f"wrote {args.out}")
     for env_id, s in summary.items():
         console.print(f"[bold]{env_id}[/bold]: {s['episodes']} episodes, mean reward {s['reward_mean']:.3f}, "
@@ -278,18 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("rollout", help="run episodes and write trajectories as JSONL")
+    p.add_argument("settings", nargs="*", metavar="rollout.KEY=VALUE",
+                   help="the rollout section of a training config, as `relax-gym train` takes it, e.g. "
+                        "rollout.temperature=0.7 rollout.max_turns=4; applied after the flags")
     p.add_argument("--env", required=True, help="a registered env id")
     p.add_argument("--model", default="tiny", help="tiny | tiny-vl | tiny-audio | a local HF checkpoint folder")
     p.add_argument("-n", type=int, default=8, help="number of tasks")
-    p.add_argument("--group", type=int, default=1, help="episodes per task (same seed)")
     p.add_argument("--out", required=True, help="output .jsonl (written as groups finish)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine-url", default=None, help="an SGLang (or relax-gym serve) server instead of in-process")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-total-tokens", type=int, default=4096)
-    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--engine-url", default=None, help="an SGLang (or relax-gym serve) server instead of in-process: "
+                                                      "rollout.engine=sglang rollout.engine_url=URL")
+    for flag, field, kind, what in ROLLOUT_FLAGS:
+        default = ROLLOUT_COMMAND_DEFAULTS.get(field, "the rollout section's")
+        p.add_argument(flag, dest=field, type=kind, default=None, metavar=kind.__name__.upper(),
+                       help=f"{what}: rollout.{field} (default {default})")
     p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
     _template_flags(p)
     p.set_defaults(func=cmd_rollout)

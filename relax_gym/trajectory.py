@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image
@@ -123,15 +123,32 @@ def decode_media(item: dict[str, Any]) -> Any:
     return wave, int(rate)
 
 
-def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
-    """Writes records atomically enough for a crash mid-run: one flushed line per trajectory."""
+def append_jsonl(f: TextIO, trajectories: Iterable[Trajectory], **fields: Any) -> int:
+    """Writes one JSON line per trajectory to the open text file `f`, flushing each, so a run that dies keeps every
+    line before; `fields` (e.g. a training step) go ahead of the record's own (`read_jsonl` ignores them).
+
+    The one writer of trajectory JSONL (`relax-gym rollout`, a run's trajectories.jsonl, `write_jsonl`). Text
+    is kept as UTF-8 rather than \\u escapes, unless it holds a lone surrogate, which UTF-8 cannot encode.
+    """
     count = 0
-    with Path(path).open("w", encoding="utf-8") as f:
-        for traj in trajectories:
-            f.write(json.dumps(traj.to_json(), ensure_ascii=False) + "\n")
-            f.flush()
-            count += 1
+    for traj in trajectories:
+        record = {**fields, **traj.to_json()}
+        line = json.dumps(record, ensure_ascii=False)
+        if not line.isascii():
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                line = json.dumps(record)
+        f.write(line + "\n")
+        f.flush()
+        count += 1
     return count
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
+    """Writes `path` anew, one flushed line per trajectory (`append_jsonl`)."""
+    with Path(path).open("w", encoding="utf-8") as f:
+        return append_jsonl(f, trajectories)
 
 
 def read_jsonl(path: str | Path) -> Iterator[Trajectory]:

@@ -87,3 +87,33 @@ def test_check_bad_env_arg_is_one_line_and_exit_2(capsys, target, pair, needle):
     out = capsys.readouterr().out
     assert needle in out
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+# --- `relax-gym rollout` takes the training config's rollout section ----------------------------------------------
+def test_rollout_takes_rollout_settings_after_its_flags(tmp_path, capsys):
+    from relax_gym.trajectory import read_jsonl
+
+    out = tmp_path / "t.jsonl"
+    code = main(["rollout", "--env", "relax/Arithmetic-v0", "--model", "tiny", "-n", "2", "--out", str(out),
+                 "--max-new-tokens", "9", "rollout.max_new_tokens=3", "rollout.group_size=2", "rollout.temperature=0"])
+    assert code == 0, capsys.readouterr().out
+    trajs = list(read_jsonl(out))
+    assert len(trajs) == 4 and max(t.num_generated for t in trajs) <= 3  # the setting won over its flag
+    for first, second in (trajs[:2], trajs[2:]):  # greedy: a group's members are the same episode
+        assert first.group_id == second.group_id and first.token_ids == second.token_ids
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["rollout.max_turnz=2"], "unknown key 'rollout.max_turnz'. Did you mean 'rollout.max_turns'?"),
+        (["--max-turns", "0"], "rollout.max_turns: Input should be greater than or equal to 1"),
+        (["trainer.lr=1"], "relax-gym rollout takes rollout.KEY=VALUE settings"),
+        (["rollout.groups_per_step=2"], "relax-gym rollout plays -n tasks"),
+    ],
+)
+def test_rollout_bad_settings_stop_it_before_it_starts(tmp_path, capsys, args, needle):
+    assert main(["rollout", "--env", "relax/Arithmetic-v0", "--out", str(tmp_path / "t.jsonl"), *args]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert needle in out and "Traceback" not in out
+    assert not (tmp_path / "t.jsonl").exists()

@@ -109,3 +109,42 @@ def test_model_is_a_section_with_a_path_shorthand(base, tmp_path):
     assert load_config(full).model.template_kwargs == {"reasoning_effort": "low"}
     with pytest.raises(ConfigError, match=r"Did you mean 'model\.chat_template'"):
         load_config(base, ["model.chat_templat=x"])
+
+
+def test_the_algorithm_section_is_the_algorithms_config_plus_loop_options(base):
+    from relax_gym.trainer.algorithms import AlgorithmConfig
+    from relax_gym.trainer.config import AlgorithmSection
+
+    assert set(AlgorithmSection.model_fields) - set(AlgorithmConfig.model_fields) == {"recompute_old_logprobs",
+                                                                                      "teacher"}
+    cfg = load_config(base, ["algorithm.name=sapo"])
+    assert cfg.algorithm.model_dump()["name"] == "sapo"  # the run's config.yaml keeps the users' key
+    with pytest.raises(ConfigError, match=r"Did you mean 'algorithm\.name'"):
+        load_config(base, ["algorithm.nme=grpo"])
+    with pytest.raises(ConfigError, match=r"unknown key 'algorithm\.algorithm'"):
+        load_config(base, ["algorithm.algorithm=grpo"])
+
+
+def test_rollout_defaults_have_one_home():
+    from relax_gym.engines.base import SamplingParams
+    from relax_gym.rollout import RolloutLimits
+    from relax_gym.trainer.config import RolloutConfig
+
+    assert RolloutConfig().sampling_params() == SamplingParams()
+    assert RolloutConfig().limits() == RolloutLimits()
+
+
+def test_rollout_settings_are_the_training_configs_rollout_section(base):
+    from relax_gym.trainer.config import load_rollout_config
+
+    cfg = load_rollout_config({"group_size": 1, "temperature": 0.5}, ["rollout.temperature=0.7", "rollout.top_k=5"])
+    assert (cfg.group_size, cfg.temperature, cfg.top_k, cfg.max_turns) == (1, 0.7, 5, 8)
+    assert load_rollout_config({"temperature": 0}).temperature == 0  # greedy episodes: fine to look at...
+    with pytest.raises(ConfigError, match="greedy"):  # ...not to train on
+        load_config(base, ["rollout.temperature=0"])
+    for settings, needle in ((["rollout.group_szie=2"], "Did you mean 'rollout.group_size'"),
+                             (["rollout.temperature=-1"], "rollout.temperature"),
+                             (["trainer.lr=1"], "takes rollout.KEY=VALUE"),
+                             (["rollout.engine=sglang"], "needs rollout.engine_url")):
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            load_rollout_config({}, settings)

@@ -7,13 +7,17 @@ the closest valid key, before anything expensive starts.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from relax_gym.engines.base import SamplingParams
 from relax_gym.errors import StartupError
+from relax_gym.rollout.manager import RolloutLimits
+from relax_gym.trainer.algorithms import AlgorithmConfig
 
 
 class _Strict(BaseModel):
@@ -50,59 +54,68 @@ class EnvConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
+    """`rollout:`, for `relax-gym train` and (`rollout.KEY=VALUE`) `relax-gym rollout` alike.
+
+    Each default is written once: the sampling ones are `SamplingParams`' and the limits' `RolloutLimits`'
+    (read from there), the others are here; `sampling_params()` and `limits()` build those two from this section.
+    """
+
     engine: Literal["embedded", "sglang"] = "embedded"
     engine_url: str | None = None
     #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
     engine_outage_timeout_s: float = Field(120.0, gt=0)
     group_size: int = Field(8, ge=1)
     groups_per_step: int = Field(8, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(128, ge=1)
-    max_turns: int = Field(8, ge=1)
-    max_total_tokens: int = Field(4096, ge=16)
+    #: 0 = greedy, for `relax-gym rollout` only: training takes logprobs at this temperature, so needs > 0
+    temperature: float = Field(SamplingParams.temperature, ge=0)
+    top_p: float = Field(SamplingParams.top_p, gt=0, le=1)
+    top_k: int = Field(SamplingParams.top_k, ge=0)
+    max_new_tokens: int = Field(SamplingParams.max_new_tokens, ge=1)
+    #: the run's budget of policy turns per episode; an env's own turn limit (e.g. ToolEnv's `max_turns` env
+    #: kwarg) is the task's rule. Whichever is reached first ends the episode as `truncated`
+    max_turns: int = Field(RolloutLimits.max_turns, ge=1)
+    max_total_tokens: int = Field(RolloutLimits.max_total_tokens, ge=16)
     concurrency: int = Field(256, ge=1)
-    episode_timeout_s: float = Field(600.0, gt=0)
+    episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0)
     #: batch size of the embedded engine; 1 makes generation independent of request timing
     engine_max_batch_size: int = Field(64, ge=1)
 
+    @model_validator(mode="after")
+    def _engine_named(self) -> RolloutConfig:
+        if self.engine == "sglang" and not self.engine_url:
+            raise ValueError("rollout.engine=sglang needs rollout.engine_url")
+        return self
 
-class AlgorithmSection(_Strict):
-    """The fields of `relax_gym.trainer.algorithms.AlgorithmConfig` (`name` = its `algorithm`), plus two
-    loop options; validated by building that config, so the two cannot disagree."""
+    def sampling_params(self) -> SamplingParams:
+        """Every request's sampling (the manager seeds and budgets each one)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens)
 
-    name: Literal["grpo", "gspo", "sapo", "distill"] = "grpo"
-    clip_low: float | None = None  # None = the algorithm's default (GRPO 0.2/0.28, GSPO 3e-4/4e-4)
-    clip_high: float | None = None
-    dual_clip_c: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    kl_coef: float = 0.0
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    mis_low: float | None = None
-    mis_high: float | None = None
-    mis_level: Literal["token", "sequence"] = "token"
-    std_normalize: bool = True
-    filter_uniform_groups: bool = False
+    def limits(self) -> RolloutLimits:
+        """What ends an episode besides its env."""
+        return RolloutLimits(max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
+                             episode_timeout_s=self.episode_timeout_s)
+
+
+class AlgorithmSection(AlgorithmConfig):
+    """`algorithm:`: the loss's `AlgorithmConfig` (its fields, defaults, choices and checks; `algorithm` is
+    spelled `name` here, as users' configs have it) plus two options of the train loop."""
+
+    model_config = ConfigDict(frozen=False, validate_assignment=True, validate_by_name=False, serialize_by_alias=True)
+
     #: recompute old logprobs with the trainer (ratio against them); else use the engine's
     recompute_old_logprobs: bool = True
     #: a model (tiny name or folder) whose logprobs are the distillation target
     teacher: str | None = None
 
-    def to_algorithm_config(self) -> Any:
-        from relax_gym.trainer.algorithms import AlgorithmConfig
+    @property
+    def name(self) -> str:
+        """The algorithm, under its config key."""
+        return self.algorithm
 
-        fields = self.model_dump(exclude={"name", "recompute_old_logprobs", "teacher"})
-        return AlgorithmConfig(algorithm=self.name, **fields)
-
-    @model_validator(mode="after")
-    def _valid(self) -> AlgorithmSection:
-        self.to_algorithm_config()  # its ValueError becomes a validation error naming the problem
-        return self
+    def to_algorithm_config(self) -> AlgorithmConfig:
+        """The loss's own (frozen) config, without the loop options."""
+        return AlgorithmConfig.model_validate({k: getattr(self, k) for k in AlgorithmConfig.model_fields})
 
 
 class MegatronSection(_Strict):
@@ -147,8 +160,9 @@ class TrainConfig(_Strict):
                 raise ValueError(f"trainer.mode=sync is on-policy: trainer.max_staleness must be 0, got "
                                  f"{self.trainer.max_staleness} (use trainer.mode=async for off-policy steps)")
             self.trainer.max_staleness = 0  # the default (1) is async's; sync is on-policy by definition
-        if self.rollout.engine == "sglang" and not self.rollout.engine_url:
-            raise ValueError("rollout.engine=sglang needs rollout.engine_url")
+        if self.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 is greedy decoding, which cannot be trained on (the trainer "
+                             "takes logprobs at the rollout temperature); use rollout.temperature > 0")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
         if self.algorithm.name != "distill" and self.rollout.group_size < 2:
@@ -162,12 +176,17 @@ class ConfigError(StartupError):
     """The config file or an override is wrong; the message names the key."""
 
 
+def _keys(model: type[BaseModel]) -> dict[str, Any]:
+    """A section's fields under the keys a config spells them with (an alias where it has one)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
 def _model_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     model: Any = TrainConfig
     for part in path:
         if isinstance(part, int):
             continue
-        field = getattr(model, "model_fields", {}).get(part)
+        field = _keys(model).get(part)
         if field is None:
             return None
         annotation = field.annotation
@@ -179,13 +198,14 @@ def _model_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
 
 
 def _explain(err: ValidationError) -> str:
+    """One line per problem, each naming the key's full path (and, for an unknown key, the closest valid one)."""
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         key = ".".join(str(p) for p in loc) or "config"
         if e["type"] == "extra_forbidden":
             parent = _model_at(loc[:-1])
-            valid = list(parent.model_fields) if parent else []
+            valid = list(_keys(parent)) if parent else []
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
             prefix = ".".join(str(p) for p in loc[:-1])
             hint = f" Did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
@@ -237,6 +257,15 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"config file {p}: cannot read it: {err.strerror}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")
+    _apply_overrides(tree, overrides)
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def _apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Sets each `a.b.c=value` (the value parsed as YAML) in `tree`, in order."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -245,7 +274,24 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             _set_dotted(tree, key.strip(), yaml.safe_load(raw))
         except (yaml.YAMLError, ValueError, IndexError, KeyError) as err:
             raise ConfigError(f"override {item!r}: {type(err).__name__}: {err}") from None
+
+
+class _RolloutOnly(_Strict):
+    """A config of only the `rollout:` section, so its errors read as in a full config."""
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+def load_rollout_config(given: dict[str, Any], overrides: Sequence[str] = ()) -> RolloutConfig:
+    """The `rollout:` section from `given` fields (what `relax-gym rollout`'s flags set) with `rollout.KEY=VALUE`
+    overrides applied after them, validated and explained as `load_config` does for a training config."""
+    for item in overrides:
+        if not item.strip().startswith("rollout."):
+            raise ConfigError(f"setting {item!r}: relax-gym rollout takes rollout.KEY=VALUE settings (the rollout "
+                              f"section of a training config; valid keys: {', '.join(_keys(RolloutConfig))})")
+    tree: dict[str, Any] = {"rollout": dict(given)}
+    _apply_overrides(tree, overrides)
     try:
-        return TrainConfig.model_validate(tree)
+        return _RolloutOnly.model_validate(tree).rollout
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None

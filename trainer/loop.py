@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError, SamplingParams
+from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
-from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
+from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.rollout.metrics import reason_kind, status_breakdown
 from relax_gym.rollout.run import make_engine
@@ -128,20 +128,13 @@ class Trainer:
         r = cfg.rollout
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
-        self.engine = make_engine(self.loaded, r.engine_url if r.engine == "sglang" else None,
-                                  outage_timeout_s=r.engine_outage_timeout_s,
-                                  max_batch_size=r.engine_max_batch_size, seed=cfg.seed)
+        self.engine = make_engine(self.loaded, r, seed=cfg.seed)
         self.backend = make_backend(cfg, self.loaded)
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)
-        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                       max_new_tokens=r.max_new_tokens)
-        self.manager = RolloutManager(
-            self.engine, self.loaded, sampling=self.sampling,
-            limits=RolloutLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
-                                 episode_timeout_s=r.episode_timeout_s),
-            max_concurrency=r.concurrency, sampling_seed=cfg.seed,
-        )
+        self.sampling = r.sampling_params()
+        self.manager = RolloutManager(self.engine, self.loaded, sampling=self.sampling, limits=r.limits(),
+                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)
         self.ref = self._frozen(cfg.model.path) if self.algo.kl_coef > 0 else None

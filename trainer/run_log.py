@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from relax_gym.rollout.metrics import status_breakdown
 from relax_gym.trainer.backends.base import Sample
 from relax_gym.trainer.databus import Group, group_staleness
-from relax_gym.trajectory import Trajectory
+from relax_gym.trajectory import Trajectory, append_jsonl
 
 
 class RunLog:
@@ -83,9 +83,7 @@ class RunLog:
         self.last_step_time = now
         self._write(record)
         if self._trajs is not None:
-            for t in trajs:
-                self._trajs.write(json.dumps({"step": step, **t.to_json()}) + "\n")
-            self._trajs.flush()
+            append_jsonl(self._trajs, trajs, step=step)
         self.progress.update(self._bar, completed=step, status=f"reward {record['reward_mean']:.3f}")
         cut = record["truncated_by"].get("max_new_tokens", 0)
         if cut * 2 >= len(trajs) > 0 and not self._warned_max_new_tokens:
@@ -136,9 +134,9 @@ class RunLog:
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
         if self.trajectories_path is not None and self.trajectories_path.is_file():
             self._trajs.close()
-            lines = self.trajectories_path.read_text().splitlines()
+            lines = self.trajectories_path.read_text(encoding="utf-8").splitlines()
             self.trajectories_path.write_text(
-                "".join(x + "\n" for x in lines if x.strip() and json.loads(x)["step"] <= step))
+                "".join(x + "\n" for x in lines if x.strip() and json.loads(x)["step"] <= step), encoding="utf-8")
             self._trajs = self.trajectories_path.open("a", encoding="utf-8")
         if self._tb is not None:  # events after `step` are purged from TensorBoard's view of the run
             self._tb.close()

@@ -41,10 +41,12 @@ class EngineUnavailableError(EngineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. Its defaults are also `rollout.*`'s (`RolloutConfig` reads them here)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     #: a per-request seed makes the request's samples independent of what it is batched with

@@ -46,6 +46,13 @@ ENGINE_UNAVAILABLE = "engine unavailable"
 
 @dataclass(frozen=True)
 class RolloutLimits:
+    """What ends an episode besides its env. Its defaults are also `rollout.*`'s (`RolloutConfig` reads them here).
+
+    `max_turns` is the run's budget of policy turns per episode; an env may have its own turn limit (e.g.
+    `ToolEnv.max_turns`, the task's rule). Whichever is reached first ends the episode as `truncated`: the
+    env's with the reason its info gives (`truncated_by`, `max_turns` for ToolEnv), this one with `max_turns`.
+    """
+
     max_turns: int = 8
     max_total_tokens: int = 4096
     episode_timeout_s: float = 600.0

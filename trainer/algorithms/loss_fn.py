@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Self
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from relax_gym.trainer.algorithms.aggregate import AGGREGATIONS, Aggregation, aggregate, masked
+from relax_gym.trainer.algorithms.aggregate import Aggregation, aggregate, masked
 from relax_gym.trainer.algorithms.corrections import Level, importance_mask, truncated_importance_weights
 from relax_gym.trainer.algorithms.losses import (
     KLKind,
@@ -27,27 +27,34 @@ Algorithm = Literal["grpo", "gspo", "sapo", "distill"]
 DEFAULT_CLIP = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 
 
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    """Everything that selects the maths of an update; advantages options are read by the train loop."""
+class AlgorithmConfig(BaseModel):
+    """Everything that selects the maths of an update; the advantage options are read by the train loop.
 
-    algorithm: Algorithm = "grpo"
+    A pydantic model so that the training config's `algorithm:` section is this class (plus loop options)
+    and each field, default and choice is written once; that section spells `algorithm` as `name`, which
+    this class accepts too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
+
+    #: the policy loss (`algorithm.name` in a training config)
+    algorithm: Algorithm = Field("grpo", alias="name")
     #: PPO clip range (grpo, gspo); None = the algorithm's default in `DEFAULT_CLIP`
     clip_low: float | None = None
     clip_high: float | None = None
     #: dual clip for negative advantages (grpo), c > 1; None = off
-    dual_clip_c: float | None = None
+    dual_clip_c: float | None = Field(None, gt=1)
     #: SAPO gate temperatures for positive / negative advantages
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    sapo_tau_neg: float = Field(1.05, gt=0)
     aggregation: Aggregation = "token-mean"
     #: coefficient of the KL to the reference policy (needs ref_logprobs when > 0)
-    kl_coef: float = 0.0
+    kl_coef: float = Field(0.0, ge=0)
     kl_kind: KLKind = "k3"
     #: coefficient of the entropy bonus (needs entropy when > 0)
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0)
     #: truncated importance sampling cap on π_old / π_rollout; None = off
-    tis_cap: float | None = None
+    tis_cap: float | None = Field(None, gt=0)
     #: masked importance sampling bounds on π_old / π_rollout; both None = off, one None = unbounded side
     mis_low: float | None = None
     mis_high: float | None = None
@@ -57,25 +64,16 @@ class AlgorithmConfig:
     #: DAPO dynamic sampling: drop groups whose rewards are all equal
     filter_uniform_groups: bool = False
 
-    def __post_init__(self) -> None:
-        for name, value, allowed in (("algorithm", self.algorithm, get_args(Algorithm)),
-                                     ("aggregation", self.aggregation, AGGREGATIONS),
-                                     ("kl_kind", self.kl_kind, get_args(KLKind)),
-                                     ("mis_level", self.mis_level, get_args(Level))):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r}; expected one of {allowed}")
+    @model_validator(mode="after")
+    def _combinations(self) -> Self:
+        """What the field types cannot say: options that only some algorithms have, and ordered bounds."""
         if self.algorithm not in DEFAULT_CLIP and (self.clip_low, self.clip_high) != (None, None):
             raise ValueError(f"clip_low/clip_high do not apply to {self.algorithm!r}")
-        if self.dual_clip_c is not None and (self.algorithm != "grpo" or self.dual_clip_c <= 1):
-            raise ValueError("dual_clip_c applies to grpo only and must be > 1")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0:
-            raise ValueError("SAPO temperatures must be > 0")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("kl_coef and entropy_coef must be >= 0")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError("tis_cap must be > 0")
+        if self.dual_clip_c is not None and self.algorithm != "grpo":
+            raise ValueError("dual_clip_c applies to grpo only")
         if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:
             raise ValueError("mis_low must be < mis_high")
+        return self
 
     @property
     def clip_range(self) -> tuple[float, float]:

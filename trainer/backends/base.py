@@ -13,12 +13,15 @@ This matches `Trajectory.rollout_logprobs` and `loss_mask`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from relax_gym.trainer.safe_load import numpy_rng_state, set_numpy_rng_state
 
 
 @dataclass
@@ -114,3 +117,63 @@ def check_samples(samples: Sequence[Sample], temperature: float) -> None:
     for f in OPTIONAL_PER_TOKEN:
         if len({getattr(s, f) is None for s in samples}) > 1:
             raise ValueError(f"{f} is set on some samples and not others")
+
+
+def pad_rows(rows: Sequence[Sequence[float]], width: int, *, dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-token rows right-padded with 0 to [len(rows), width]; built on the CPU and moved once."""
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out.to(device) if device is not None else out
+
+
+def build_micro_batch(samples: Sequence[Sample], logprobs: torch.Tensor, entropy: torch.Tensor | None, *,
+                      step_tokens: int, step_sequences: int) -> MicroBatch:
+    """The MicroBatch of `samples` (one per row) from their forward's [B, T] `logprobs` / `entropy`, which must
+    be 0 at padding already: the samples' per-token fields right-padded with 0 to T, on the logprobs' device."""
+    width, device = logprobs.size(1), logprobs.device
+
+    def padded(rows: Sequence[Sequence[float]]) -> torch.Tensor:
+        return pad_rows(rows, width, device=device)
+
+    def optional(name: str) -> torch.Tensor | None:  # `check_samples` made it all-or-none over the step
+        rows = [getattr(s, name) for s in samples]
+        return None if rows[0] is None else padded(rows)
+
+    return MicroBatch(
+        logprobs=logprobs,
+        entropy=entropy,
+        mask=padded([s.loss_mask for s in samples]),
+        advantages=padded([[s.advantage] * len(s.token_ids) for s in samples]),
+        rollout_logprobs=padded([s.rollout_logprobs for s in samples]),
+        old_logprobs=optional("old_logprobs"),
+        ref_logprobs=optional("ref_logprobs"),
+        teacher_logprobs=optional("teacher_logprobs"),
+        step_tokens=step_tokens,
+        step_sequences=step_sequences,
+    )
+
+
+def rng_states() -> dict[str, Any]:
+    """Python's, numpy's and torch's (CPU and each CUDA device's) RNG states, as the plain data and tensors a
+    checkpoint may hold (`relax_gym.trainer.safe_load`; numpy's own state object holds an ndarray)."""
+    return {
+        "python": random.getstate(),  # (version, tuple of ints, float or None)
+        "numpy": numpy_rng_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restores what `rng_states` returned, from a file loaded onto any device (RNG states are CPU tensors)."""
+    random.setstate(states["python"])
+    set_numpy_rng_state(states["numpy"])
+    torch.set_rng_state(states["torch"].cpu())
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, torch.Tensor):  # a Megatron checkpoint written before this helper: the current device's
+            torch.cuda.set_rng_state(cuda.cpu())
+        else:
+            torch.cuda.set_rng_state_all([state.cpu() for state in cuda])

@@ -16,7 +16,6 @@ rounded away; fp16 is refused since it would need loss scaling.
 from __future__ import annotations
 
 import math
-import random
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,9 +27,18 @@ import torch.nn.functional as F
 from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
-from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
+from relax_gym.trainer.backends.base import (
+    LogprobOutput,
+    LossFn,
+    MicroBatch,
+    Sample,
+    build_micro_batch,
+    check_samples,
+    rng_states,
+    set_rng_states,
+)
 from relax_gym.trainer.backends.hf_folder import load_hf_weights, save_hf_folder
-from relax_gym.trainer.safe_load import numpy_rng_state, safe_load, safe_save, set_numpy_rng_state
+from relax_gym.trainer.safe_load import safe_load, safe_save
 
 #: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
 #: memory beyond the logits themselves, whatever the vocabulary and sequence length.
@@ -145,24 +153,6 @@ def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return groups
 
 
-def _rng_states() -> dict[str, Any]:
-    """Every RNG state as plain data and tensors, which `safe_load` reads back."""
-    return {
-        "python": random.getstate(),  # (version, tuple of ints, float or None)
-        "numpy": numpy_rng_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    set_numpy_rng_state(states["numpy"])
-    torch.set_rng_state(states["torch"].cpu())
-    if states["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
-
-
 class TorchBackend:
     """`TrainBackend` over one HF model on one device (CPU or a GPU), AdamW, token-budget micro-batches.
 
@@ -256,36 +246,12 @@ class TorchBackend:
         padding = inputs["attention_mask"] == 0
         return logprobs.masked_fill(padding, 0.0), None if entropy is None else entropy.masked_fill(padding, 0.0)
 
-    def _per_token(self, rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-        """Right-padded [B, width] fp32 tensor on the device; padding is 0."""
-        out = torch.zeros(len(rows), width)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
-        return out.to(self.device)
-
     def _micro_batch(
         self, batch: Sequence[Sample], temperature: float, step_tokens: int, step_sequences: int
     ) -> MicroBatch:
         """The forward with grad of one micro-batch, with the per-token data the loss function reads."""
-        width = max(len(s.token_ids) for s in batch)
         logprobs, entropy = self._forward(batch, temperature, with_entropy=True)
-
-        def optional(name: str) -> torch.Tensor | None:
-            rows = [getattr(s, name) for s in batch]
-            return None if rows[0] is None else self._per_token(rows, width)
-
-        return MicroBatch(
-            logprobs=logprobs,
-            entropy=entropy,
-            mask=self._per_token([s.loss_mask for s in batch], width),
-            advantages=self._per_token([[s.advantage] * len(s.token_ids) for s in batch], width),
-            rollout_logprobs=self._per_token([s.rollout_logprobs for s in batch], width),
-            old_logprobs=optional("old_logprobs"),
-            ref_logprobs=optional("ref_logprobs"),
-            teacher_logprobs=optional("teacher_logprobs"),
-            step_tokens=step_tokens,
-            step_sequences=step_sequences,
-        )
+        return build_micro_batch(batch, logprobs, entropy, step_tokens=step_tokens, step_sequences=step_sequences)
 
     # --- TrainBackend -------------------------------------------------------------------------
 
@@ -380,7 +346,7 @@ class TorchBackend:
         path.mkdir(parents=True, exist_ok=True)
         save_hf_folder(path, self.model, self.loaded.processor or self.loaded.tokenizer)
         safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
-        safe_save({"version": self.version, "extra": extra, "rng": _rng_states()}, path / _STATE_FILE)
+        safe_save({"version": self.version, "extra": extra, "rng": rng_states()}, path / _STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restores weights, optimizer, RNG states and version in place; returns `extra`.
@@ -399,6 +365,6 @@ class TorchBackend:
         else:
             safetensors.torch.load_model(self.model, str(path / _LEGACY_MODEL_FILE), device=str(self.device))
         self.optimizer.load_state_dict(optimizer_state)
-        _set_rng_states(state["rng"])
+        set_rng_states(state["rng"])
         self.version = state["version"]
         return state["extra"]

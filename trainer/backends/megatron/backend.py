@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -61,11 +60,21 @@ from transformers import (
 )
 
 from relax_gym.models import TINY_MODELS, LoadedModel, load_model
-from relax_gym.trainer.backends.base import LogprobOutput, LossFn, MicroBatch, Sample, check_samples
+from relax_gym.trainer.backends.base import (
+    LogprobOutput,
+    LossFn,
+    MicroBatch,
+    Sample,
+    build_micro_batch,
+    check_samples,
+    pad_rows,
+    rng_states,
+    set_rng_states,
+)
 from relax_gym.trainer.backends.hf_folder import save_hf_folder
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
-from relax_gym.trainer.safe_load import check_saved, numpy_rng_state, safe_load, set_numpy_rng_state
+from relax_gym.trainer.safe_load import check_saved, safe_load
 
 ModelSource = str | Path | LoadedModel | PreTrainedModel
 
@@ -122,14 +131,6 @@ class _Batch:
     def empty(self) -> bool:
         """A placeholder for a DP rank left without samples, so that its collectives still match."""
         return not self.indices
-
-
-def _padded(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Rows right-padded with 0 to [len(rows), width], built on the CPU and moved once."""
-    out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
-    return out.to(device)
 
 
 def _check(samples: Sequence[Sample], temperature: float) -> None:
@@ -450,7 +451,7 @@ class MegatronBackend:
         batches = []
         for idx in groups:
             width = max(lengths[i] for i in idx)
-            ids = _padded([samples[i].token_ids for i in idx], width, torch.long, self.device)
+            ids = pad_rows([samples[i].token_ids for i in idx], width, dtype=torch.long, device=self.device)
             positions = torch.arange(width, device=self.device).expand(len(idx), width)
             batches.append(_Batch(idx, [lengths[i] for i in idx], ids, positions))
         return batches
@@ -488,28 +489,12 @@ class MegatronBackend:
     def _micro_batch(self, batch: _Batch, samples: Sequence[Sample], logprobs: torch.Tensor,
                      entropy: torch.Tensor | None, totals: tuple[int, int]) -> MicroBatch:
         """The contract's MicroBatch: right-padded [B, T] fields, 0 at padding (as the torch backend), step totals."""
-        rows = [samples[i] for i in batch.indices]
         width = logprobs.size(1)
-        padding = torch.arange(width, device=self.device) >= torch.tensor(batch.lengths, device=self.device)[:, None]
-
-        def field(get: Callable[[Sample], Sequence[float]]) -> torch.Tensor:
-            return _padded([get(s) for s in rows], width, torch.float32, self.device)
-
-        def optional(name: str) -> torch.Tensor | None:  # `_check` made it all-or-none over the step
-            return None if getattr(rows[0], name) is None else field(lambda s: getattr(s, name))
-
-        return MicroBatch(
-            logprobs=logprobs.masked_fill(padding, 0.0),
-            entropy=None if entropy is None else entropy.masked_fill(padding, 0.0),
-            mask=field(lambda s: s.loss_mask),
-            advantages=field(lambda s: [s.advantage] * len(s.token_ids)),
-            rollout_logprobs=field(lambda s: s.rollout_logprobs),
-            old_logprobs=optional("old_logprobs"),
-            ref_logprobs=optional("ref_logprobs"),
-            teacher_logprobs=optional("teacher_logprobs"),
-            step_tokens=totals[0],
-            step_sequences=totals[1],
-        )
+        padding = torch.arange(width, device=logprobs.device) >= torch.tensor(batch.lengths,
+                                                                             device=logprobs.device)[:, None]
+        return build_micro_batch([samples[i] for i in batch.indices], logprobs.masked_fill(padding, 0.0),
+                                 None if entropy is None else entropy.masked_fill(padding, 0.0),
+                                 step_tokens=totals[0], step_sequences=totals[1])
 
     # --- checkpoint helpers -----------------------------------------------------------------
     def _layout(self) -> dict[str, int]:
@@ -540,23 +525,11 @@ def _check_extra_state(model_state: dict[str, Any], file: Path) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    """Every RNG state as plain data and tensors, which `safe_load` reads back."""
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),  # (version, tuple of ints, float or None)
-        "numpy": numpy_rng_state(),
-        "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),  # name -> ByteTensor
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    """Every RNG state as plain data and tensors (`safe_load` reads them back): the shared ones and megatron's."""
+    return {**rng_states(), "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}  # name -> ByteTensor
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     # RNG states are CPU ByteTensors; the file was loaded onto the training device
-    torch.set_rng_state(state["torch"].cpu())
-    random.setstate(state["python"])
-    set_numpy_rng_state(state["numpy"])
+    set_rng_states(state)
     tensor_parallel.get_cuda_rng_tracker().set_states({k: v.cpu() for k, v in state["megatron"].items()})
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu())
