@@ -8,6 +8,10 @@ module; each loads when its env is first made.
 
 from relax_gym.registration import register
 
+# An editable install puts the repo root on sys.path, where this folder is also `envs`: one name, one copy.
+if __name__ != "relax_gym.envs":
+    raise ImportError(f"this folder is the relax_gym.envs package: import relax_gym.envs, not {__name__}")
+
 BUNDLED: dict[str, str] = {
     "relax/Math-v0": "relax_gym.envs.math:MathEnv",
     "relax/MathTool-v0": "relax_gym.envs.math:MathToolEnv",

@@ -115,7 +115,7 @@ def decode_bytes(data: bytes, name: str) -> tuple[np.ndarray, int]:
 
 def valid_rate(value: Any) -> bool:
     """A sampling rate: a positive int (bools excluded, numpy ints allowed)."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value > 0)
 
 
 def _check_samples(samples: np.ndarray, name: str) -> None:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class ClipCache:
 class AudioQAEnv(SingleTurnEnv):
     """Listen to the clip(s), pick the lettered option; reward 1 for the right letter in <answer></answer>."""
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text", "audio")}
+    metadata: dict[str, Any] = {**Env.metadata, "modalities": ("text", "audio")}  # noqa: RUF012 (see Env.metadata)
 
     def __init__(
         self,

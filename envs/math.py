@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -177,7 +177,7 @@ class MathEnv(MathHooks, SingleTurnEnv):
     user's own; `reset(options={"index": i})` poses task i.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
+    metadata: dict[str, Any] = {**Env.metadata, "modalities": ("text",)}  # noqa: RUF012 (see Env.metadata)
 
     def __init__(
         self,
@@ -197,7 +197,7 @@ class MathEnv(MathHooks, SingleTurnEnv):
 class MathToolEnv(MathHooks, ToolEnv):
     """Multi-turn math with a sandboxed `python` tool; final answer in \\boxed{}."""
 
-    metadata: ClassVar[dict[str, Any]] = {**ToolEnv.metadata, "modalities": ("text",), "sandbox": True}
+    metadata: dict[str, Any] = {**ToolEnv.metadata, "modalities": ("text",), "sandbox": True}  # noqa: RUF012 (see Env.metadata)
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import operator
 import re
 from collections import Counter, deque
 from fractions import Fraction
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -131,12 +131,12 @@ class CountdownEnv(SingleTurnEnv):
         value, solution = order[0], str(order[0])
         for n in order[1:]:
             # Never empty: '-' fits when value > n, else value + n <= 2 * max_number <= max_target.
-            options = [
+            choices = [
                 (op, result)
                 for op, result in (("+", value + n), ("-", value - n), ("*", value * n))
                 if 1 <= result <= self.max_target
             ]
-            op, value = options[int(rng.integers(len(options)))]
+            op, value = choices[int(rng.integers(len(choices)))]
             solution = f"({solution}) {op} {n}" if " " in solution else f"{solution} {op} {n}"
         prompt = (
             f"Using the numbers {numbers}, create an equation that equals {value}. You can use +, -, * and / "
@@ -171,7 +171,7 @@ class GuessNumberEnv(EpisodeState, Env[list[Message]]):
 
     blocking = False  # microseconds of pure Python per step
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
+    metadata: dict[str, Any] = {**Env.metadata, "modalities": ("text",)}  # noqa: RUF012 (see Env.metadata)
 
     def __init__(self, low: int = 1, high: int = 16, max_turns: int = 6, shaped: bool = False):
         if high < low:

@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import math
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class ReasoningGymEnv(SingleTurnEnv):
     <answer> tags; "" sends no system message.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata, "modalities": ("text",)}
+    metadata: dict[str, Any] = {**Env.metadata, "modalities": ("text",)}  # noqa: RUF012 (see Env.metadata)
 
     def __init__(
         self,

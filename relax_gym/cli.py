@@ -227,12 +227,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def cmd_view(args: argparse.Namespace) -> int:
     from relax_gym.viewer import write_html
 
-    tokenizer = None
+    decoder = None
     if args.model:
         from relax_gym.models import load_model
 
-        tokenizer = load_model(args.model).tokenizer
-    out = write_html(args.jsonl, args.output, tokenizer=tokenizer)
+        decoder = load_model(args.model)  # its `decode` is the tokenizer's, typed for one sequence
+    out = write_html(args.jsonl, args.output, tokenizer=decoder)
     console.print(f"wrote {out}")
     return 0
 
@@ -354,10 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", metavar="PATH",
                    help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
                         "required beyond loopback)")
-    for name, field in ServerLimits.model_fields.items():
-        kind = int if field.annotation is int or int in get_args(field.annotation) else float
+    for name, limit in ServerLimits.model_fields.items():
+        kind = int if limit.annotation is int or int in get_args(limit.annotation) else float
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=kind.__name__.upper(),
-                       help=f"{field.description} (default {field.default})")
+                       help=f"{limit.description} (default {limit.default})")
     p.set_defaults(func=cmd_serve)
     return parser
 

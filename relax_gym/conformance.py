@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import math
 import re
@@ -278,7 +279,9 @@ def _plausible_values(schema: dict[str, Any]) -> list[Any]:
         quoted = ["".join(groups) for groups in _QUOTED.findall(described)]
         return [*dict.fromkeys([*quoted, "1", "test", "a"])]
     if kind == "array":
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        items = schema.get("items")
+        if not isinstance(items, dict):
+            items = {}
         if items.get("type") in ("integer", "number"):
             return [[10, 10, 100, 100], [1, 2], []]
         return [[v] for v in _plausible_values(items)[:2]] + [[]] if items else [[]]
@@ -498,4 +501,4 @@ def resolve(target: str, env_kwargs: dict[str, Any] | None = None) -> list[tuple
             raise EnvTargetError(f"{source} registered no env; name a class with {source}:ClassName")
     for env_id in ids:
         check_kwargs(env_id, env_class(env_id), {**spec(env_id).kwargs, **kwargs})
-    return [(env_id, lambda env_id=env_id: make(env_id, **kwargs)) for env_id in ids]
+    return [(env_id, functools.partial(make, env_id, **kwargs)) for env_id in ids]

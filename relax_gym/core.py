@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 import gymnasium as gym
 import numpy as np
@@ -42,7 +42,9 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
       - `sandbox`: whether the env executes code in the sandbox.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {
+    #: not a ClassVar: gymnasium declares it an instance attribute, and an instance may refine it (ToolEnv adds the
+    #: names of its tools); subclasses replace the dict rather than mutate it
+    metadata: dict[str, Any] = {  # noqa: RUF012
         "render_modes": [],
         "modalities": ("text",),
         "tools": (),
@@ -72,7 +74,10 @@ class Env(gym.Env[ObsT, str], Generic[ObsT]):
     def format_observation(self, observation: ObsT) -> list[Message]:
         """Renders an observation as the chat messages to append to the conversation."""
         validate_messages(observation)
-        return copy.copy(observation)  # type: ignore[return-value]
+        return copy.copy(cast("list[Message]", observation))  # the check above: it is a list of messages
+
+    if TYPE_CHECKING:  # gymnasium's reward is any SupportsFloat; a relax_gym env's is a float
+        def step(self, action: str) -> StepResult: ...
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[ObsT, dict]:
         """Async reset; by default `reset` runs in a worker thread so a slow env never blocks the loop."""
@@ -109,6 +114,9 @@ class EpisodeState:
     """
 
     episode: dict[str, Any]
+    if TYPE_CHECKING:  # gymnasium.Env's, which every class using this mixin also subclasses
+        np_random: np.random.Generator
+        _np_random: np.random.Generator | None
 
     def running_episode(self) -> dict[str, Any]:
         """`self.episode`, or EpisodeOverError before the first reset or once the episode is done.

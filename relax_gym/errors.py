@@ -1,8 +1,49 @@
-"""The two ways a run ends early without a bug: it could not start, or it stopped.
+"""The two ways a run ends early without a bug (it could not start, or it stopped), and every exception relax_gym has.
 
-The CLI turns each into one line and an exit code (2 and 1), never a
-traceback: the message names the cause (the env, the key, the file, the record).
-Library users catch them like any exception.
+The CLI turns `StartupError` and `RunStopped` into one line and an exit code (2
+and 1), never a traceback: the message names the cause (the env, the key, the
+file, the record). Library users catch them like any exception.
+
+Every exception class relax_gym defines, under its base, with the module that
+defines it and, in brackets, a shorter path that re-exports it
+(tests/test_exception_tree.py keeps this drawing true):
+
+    Exception
+      NotExercised                  relax_gym.conformance
+      ToolError                     relax_gym.tools.function_tool [relax_gym.tools]
+      UnsafeCheckpointError         relax_gym.trainer.safe_load
+      AssertionError
+        CheckFailure                relax_gym.conformance
+      LookupError
+        UnknownEnvError             relax_gym.registration [relax_gym]  (also a gymnasium.error.Error)
+          EnvTargetError            relax_gym.registration
+      TypeError
+        EnvArgumentError            relax_gym.registration [relax_gym]  (also a gymnasium.error.Error)
+        ToolDefinitionError         relax_gym.tools.function_tool [relax_gym.tools]
+      ValueError
+        StartupError                relax_gym.errors  (the CLI's exit 2)
+          ConfigError               relax_gym.trainer.config
+          ExportError               relax_gym.trainer.export
+          ModelLoadError            relax_gym.models.loading [relax_gym.models]
+        BadRequest                  relax_gym.engines.server  (the HTTP server answers 400)
+        ChatTemplateError           relax_gym.models.inputs [relax_gym.models]
+        DatasetError                relax_gym.envs.datasets
+        MediaError                  relax_gym.engines.server_media
+        MessageError                relax_gym.messages
+        TemplateError               relax_gym.models.template_traits [relax_gym.rollout]
+      RuntimeError
+        EngineError                 relax_gym.engines.base [relax_gym.engines]
+          EngineUnavailableError    relax_gym.engines.base
+          RequestError              relax_gym.engines.base [relax_gym.engines]
+          ScriptError               relax_gym.engines.scripted [relax_gym.engines]
+        EpisodeOverError            relax_gym.core [relax_gym]
+        RunStopped                  relax_gym.errors  (the CLI's exit 1)
+        SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
+          SandboxUnavailableError   relax_gym.sandbox.result [relax_gym.sandbox]
+        WorkerError                 relax_gym.rewards._pool  (private: the reward pool's worker broke)
+    Warning
+      RuntimeWarning
+        SandboxFallbackWarning      relax_gym.sandbox
 """
 
 from __future__ import annotations

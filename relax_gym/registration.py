@@ -200,12 +200,13 @@ def describe(id: str) -> dict[str, Any]:
     meta = getattr(cls, "metadata", {}) or {}
     tools = tuple(meta.get("tools") or ()) or tuple(getattr(cls, "tool_names", ()))  # collected by Env subclassing
     entry = spec(id).entry_point
+    where = entry if isinstance(entry, str) else f"{entry.__module__}:{getattr(entry, '__qualname__', entry)}"
     return {
         "id": id,
         "modalities": list(meta.get("modalities", ("text",))),
         "tools": list(tools),
         "sandbox": bool(meta.get("sandbox", False)),
-        "entry_point": entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}",
+        "entry_point": where,
         "description": (inspect.getdoc(cls) or "").split("\n")[0],
     }
 
@@ -256,7 +257,8 @@ def _import_file(source: str) -> tuple[str, ModuleType]:
     key = str(path)
     name = path.stem
     present = sys.modules.get(name)
-    if present is not None and getattr(present, "__file__", None) and Path(present.__file__).resolve() == path:
+    present_file = getattr(present, "__file__", None)
+    if present is not None and present_file and Path(present_file).resolve() == path:
         return key, present
     if present is not None or not name.isidentifier():  # never shadow another module (a file named json.py)
         name = f"_relax_gym_file_{name if name.isidentifier() else 'env'}_{hashlib.md5(key.encode()).hexdigest()[:8]}"

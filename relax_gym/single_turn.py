@@ -14,7 +14,7 @@ state snapshots (the `EpisodeState` dict `self.episode`) live here once.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from relax_gym.spaces import MessageSpace
 class SingleTurnEnv(EpisodeState, Env[list[Message]]):
     """Base for envs that pose a task and grade one answer; `self.episode` holds `task` and `done`."""
 
-    metadata: ClassVar[dict[str, Any]] = {**Env.metadata}
+    metadata: dict[str, Any] = {**Env.metadata}  # noqa: RUF012 (see Env.metadata)
     system_prompt: str | None = None
 
     def __init__(self) -> None:

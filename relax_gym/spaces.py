@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from gymnasium import spaces
 
-from relax_gym.messages import PART_TYPES, ROLES, Message, MessageError, text, validate_messages
+from relax_gym.messages import PART_TYPES, ROLES, Message, MessageError, Role, text, validate_messages
 
 # Sampling alphabet: printable ASCII including the characters tool calls and
 # LaTeX are made of, so random actions probe the parsers, not just letters.
@@ -88,7 +88,7 @@ class MessageSpace(spaces.Space[list[Message]]):
         rng = self.np_random
         n = int(rng.integers(1, 12))
         words = "".join(rng.choice(list(string.ascii_lowercase + " "), size=n * 4))
-        role = "user" if "user" in self.roles else self.roles[0]
+        role = cast("Role", "user" if "user" in self.roles else self.roles[0])  # __init__ checked it is a role
         return [{"role": role, "content": [text(words)]}]
 
     def __eq__(self, other: object) -> bool:

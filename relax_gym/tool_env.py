@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from relax_gym.core import StepResult
 from relax_gym.messages import Message, message, text
@@ -35,7 +35,7 @@ from relax_gym.tools.formats import HERMES, make_call_id
 class ToolEnv(SingleTurnEnv):
     """Base for tool-using envs: `self.episode` also counts turns and tool calls, so snapshots stay automatic."""
 
-    metadata: ClassVar[dict[str, Any]] = {**SingleTurnEnv.metadata}
+    metadata: dict[str, Any] = {**SingleTurnEnv.metadata}  # noqa: RUF012 (see Env.metadata)
     max_turns: int = 6
     #: calls past this many in one turn are not run; the model is told how many were skipped
     max_tool_calls_per_turn: int = 4
@@ -115,8 +115,8 @@ class ToolEnv(SingleTurnEnv):
             observation.append(message("tool", *outcome.content, name=call.name, **ids(call.id, "call", j)))
         if skipped > 0:
             ep["tool_errors"] += skipped
-            note = f"Error: {skipped} more tool call(s) were not run: at most {cap} tool calls are run per turn."
-            observation.append(message("tool", text(note), name="tool_call_limit", **ids(None, "limit")))
+            limit = f"Error: {skipped} more tool call(s) were not run: at most {cap} tool calls are run per turn."
+            observation.append(message("tool", text(limit), name="tool_call_limit", **ids(None, "limit")))
         if ep["turn"] >= self.max_turns:
             ep["done"] = True
             return observation, 0.0, False, True, self._info(truncated_by="max_turns")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs everything the test suite needs on a fresh Debian machine, then runs it.
+# Installs everything the test suite needs on a fresh Debian machine, then lints (ruff), type-checks (mypy) and runs it.
 # As root it also starts podman's Docker API, builds the sandbox image and installs Chromium,
 # so the sandbox and viewer tests run against the real engine and browser; elsewhere they skip.
 set -euo pipefail
@@ -12,4 +12,5 @@ if [ "$(id -u)" = 0 ]; then
   bash scripts/install_browser.sh
 fi
 ruff check .
+mypy  # the files and settings are in pyproject.toml ([tool.mypy])
 python -m pytest "$@"

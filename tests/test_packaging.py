@@ -1,4 +1,8 @@
-"""The wheel holds every subpackage and the shipped data, not only what an editable install sees."""
+"""The wheel holds every subpackage and the shipped data, not only what an editable install sees.
+
+`relax_gym/envs` and `relax_gym/trainer` are symlinks to the top-level folders; the wheel and the sdist hold real
+files, and a wheel built from the sdist (what pip does with one) holds the same files as one built from the tree.
+"""
 
 import subprocess
 import sys
@@ -21,6 +25,17 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
+@pytest.fixture(scope="module")
+def wheel_from_sdist(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(  # without --wheel or --sdist, build makes the sdist, then the wheel from it
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        check=True, capture_output=True, timeout=600,
+    )
+    (found,) = out.glob("relax_gym-*.whl")
+    return found
+
+
 def source_packages() -> set[str]:
     found = set()
     for prefix, folder in {"relax_gym": "relax_gym", "relax_gym.envs": "envs", "relax_gym.trainer": "trainer"}.items():
@@ -34,6 +49,7 @@ def test_wheel_contains_every_package_and_the_data(wheel):
     packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("__init__.py")}
     assert source_packages() <= packages
     assert any(n.startswith("relax_gym/envs/data/") for n in names)
+    assert "relax_gym/py.typed" in names  # PEP 561: type checkers read the package's own annotations
     assert not any(n.startswith(("envs/", "trainer/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -52,3 +68,16 @@ def test_bundled_envs_import_and_load_data_from_the_wheel(wheel, tmp_path):
                          cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) >= 1
+
+
+def test_the_package_folders_are_links_to_the_top_level_folders():
+    for name in ("envs", "trainer"):
+        link = ROOT / "relax_gym" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve()
+
+
+def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel, wheel_from_sdist):
+    direct, via_sdist = (zipfile.ZipFile(w) for w in (wheel, wheel_from_sdist))
+    assert {i.filename: i.file_size for i in via_sdist.infolist() if ".dist-info/" not in i.filename} == {
+        i.filename: i.file_size for i in direct.infolist() if ".dist-info/" not in i.filename
+    }

@@ -181,7 +181,9 @@ class Trainer:
 
     def task_of(self, group: Group) -> int:
         """The task a group played (the inverse of `task_seed`)."""
-        return int(group[0].seed) - self.cfg.seed * 1_000_003
+        seed = group[0].seed
+        assert seed is not None, "the loop seeds every episode it plays (task_seed)"
+        return int(seed) - self.cfg.seed * 1_000_003
 
     def _start_task(self) -> int:
         """The next task to play: one a resumed run lost in flight, else a new one; it enters the ledger."""

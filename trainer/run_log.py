@@ -132,7 +132,7 @@ class RunLog:
         kept = [line for line in rows if json.loads(line)["step"] <= step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
-        if self.trajectories_path is not None and self.trajectories_path.is_file():
+        if self._trajs is not None and self.trajectories_path is not None and self.trajectories_path.is_file():
             self._trajs.close()
             lines = self.trajectories_path.read_text(encoding="utf-8").splitlines()
             self.trajectories_path.write_text(

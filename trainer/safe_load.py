@@ -28,7 +28,7 @@ import pickle
 import pickletools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -130,7 +130,9 @@ def safe_save(obj: Any, path: str | Path) -> None:
 
 def numpy_rng_state() -> dict[str, Any]:
     """numpy's global RNG state as plain data (`np.random.get_state()` holds an ndarray)."""
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    # numpy's stubs type the result as either form; legacy=True returns the tuple
+    state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+    name, keys, pos, has_gauss, cached_gaussian = state
     return {"bit_generator": str(name), "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gaussian)}
 

@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -100,7 +100,8 @@ class DeepEyesEnv(ToolEnv):
     `reset(options={"index": i})` picks record i instead of a seeded random one.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {**ToolEnv.metadata, "modalities": ("text", "image")}
+    metadata: dict[str, Any] = {**ToolEnv.metadata, "modalities": ("text", "image")}  # noqa: RUF012 (see Env.metadata)
+    system_prompt: str  # always set by __init__ (it names the bbox format)
 
     def __init__(
         self,

@@ -51,7 +51,8 @@ def shown_size(view: View, min_side: int, max_side: int) -> tuple[int, int]:
 def render(image: Image.Image, view: View, min_side: int, max_side: int) -> Image.Image:
     """A new image of `view`: crop, resize, rotate."""
     size = display_size(*_box_size(view), min_side, max_side)
-    out = image.crop(tuple(view["box"]))
+    x1, y1, x2, y2 = view["box"]
+    out = image.crop((x1, y1, x2, y2))
     if out.size != size:
         out = out.resize(size, Image.Resampling.BICUBIC)
     return out.transpose(_TRANSPOSE[view["rotation"]]) if view["rotation"] else out

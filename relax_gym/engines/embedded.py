@@ -195,7 +195,8 @@ class _BatchDecoder(LogitsProcessor):
                 self.reasons[i] = self._finish(i, bool(stop_id))
         if any(r is not None for r in self.reasons):
             self.done = torch.tensor([r is not None for r in self.reasons], device=self.done.device)
-        return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)
+        # transformers types the hook with torch's legacy FloatTensor, which no tensor op is typed to return
+        return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)  # type: ignore[return-value]
 
     def _finish(self, i: int, stop_id: bool) -> FinishReason | None:
         ids, params = self.output_ids[i], self.params[i]
@@ -215,7 +216,7 @@ class _Stopper(StoppingCriteria):
         self.decoder = decoder
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        return self.decoder.done.clone()
+        return self.decoder.done.clone()  # type: ignore[return-value]  # legacy BoolTensor in transformers' hook
 
 
 class EmbeddedEngine:
@@ -533,7 +534,7 @@ class EmbeddedEngine:
             vocab=self.model.get_output_embeddings().out_features,
             device=self.device,
             generator=self._generator,
-            decode=functools.partial(self.loaded.tokenizer.decode, skip_special_tokens=False),
+            decode=self.loaded.decode,
             aborted=lambda i: self._closed or jobs[i].aborted or jobs[i].future.cancelled(),
             never=self.placeholder_token_ids,
         )
@@ -577,7 +578,8 @@ class EmbeddedEngine:
             mask[i, longest - len(prompt) :] = 1
         inputs = {"input_ids": ids, "attention_mask": mask}
         if self._mm_token_types:
-            inputs["mm_token_type_ids"] = torch.tensor(self.loaded.processor.create_mm_token_type_ids(ids))
+            processor: Any = self.loaded.processor  # not None here (see __init__); typed for lists, takes the tensor
+            inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids))
         for key in dict.fromkeys(k for row in media for k in row):
             value = torch.cat([torch.as_tensor(row[key]) for row in media if key in row])
             inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value

@@ -195,7 +195,7 @@ class ScriptedEngine:
                 count = f"{len(replies)} repl{'y' if len(replies) == 1 else 'ies'}"
                 raise ScriptError(f"scripted engine: no reply for turn {turn}: the script has {count}")
             return replies[turn]
-        text = self.loaded.tokenizer.decode(request.input_ids, skip_special_tokens=False)
+        text = self.loaded.decode(request.input_ids)
         try:
             reply = replies(ScriptedTurn(turn, text, list(request.input_ids), request))
             if inspect.isawaitable(reply):

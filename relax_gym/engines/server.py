@@ -267,8 +267,7 @@ def _answer(
 ) -> dict[str, Any]:
     params = body.sampling_params.to_params()
     finish = _finish_reason(engine, out, params, timeout_s)
-    tokenizer = engine.loaded.tokenizer
-    text = tokenizer.decode(out.output_ids, skip_special_tokens=body.sampling_params.skip_special_tokens)
+    text = engine.loaded.decode(out.output_ids, skip_special_tokens=body.sampling_params.skip_special_tokens)
     if isinstance(finish.get("matched"), str) and not body.sampling_params.no_stop_trim:
         text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
     meta: dict[str, Any] = {
@@ -318,6 +317,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             images, audios = await asyncio.to_thread(_decode_media, body, limits)
         if body.input_ids is not None:
             return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid)
+        assert body.text is not None  # GenerateIn's validator: exactly one of text and input_ids
         ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios)
         _check_length(len(ids), params.max_new_tokens, context, "text")
         return GenerateRequest(ids, params, images, audios, media or None, body.rid)
@@ -477,8 +477,8 @@ def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tup
         if not key:
             raise StartupError(f"--api-key-file {key_file}: the file is empty")
         return key, False
-    if key := api_key_from_env():
-        return key, False
+    if env_key := api_key_from_env():
+        return env_key, False
     if not is_loopback(host):
         raise StartupError(f"serving on {host}, beyond this machine, needs an API key the clients know: set "
                            f"{API_KEY_ENV} or pass --api-key-file")

@@ -9,7 +9,7 @@ need to recompute logprobs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import numpy as np
@@ -36,10 +36,10 @@ def template_messages(loaded: LoadedModel, messages: list[Message]) -> list[dict
     that cannot take it is an error rather than silently dropped.
     """
     if loaded.modalities != ("text",):
-        return list(messages)
-    flat = []
+        return cast("list[dict[str, Any]]", list(messages))  # a Message is a dict
+    flat: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
-        content = msg.get("content")
+        content: Any = msg.get("content")
         if isinstance(content, list):
             media = sorted({p["type"] for p in content if p["type"] != "text"})
             if media:
@@ -64,15 +64,19 @@ def chat_text(
     when roles do not alternate) raises `ChatTemplateError`, a ValueError.
     """
     template = loaded.processor.chat_template if loaded.processor is not None else None
+    if isinstance(template, dict):  # several named templates: the default one, as the processor's own render picks
+        if "default" not in template:
+            raise ChatTemplateError(f"{loaded.name!r}: no 'default' among the processor's templates {sorted(template)}")
+        template = template["default"]
     try:
-        return loaded.tokenizer.apply_chat_template(
+        return cast(str, loaded.tokenizer.apply_chat_template(  # tokenize=False: the text (typed for all modes)
             template_messages(loaded, messages),
-            tools=tools,
+            tools=None if tools is None else [*tools],
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **loaded.template_kwargs,
-        )
+        ))
     except jinja2.TemplateError as err:
         raise ChatTemplateError(f"the chat template of {loaded.name} refused the conversation: "
                                 f"{type(err).__name__}: {err}") from None
@@ -166,5 +170,6 @@ def sequence_inputs(
         if chunks := [m[key] for m in media if key in m]:
             inputs[key] = torch.cat(chunks)
     if "image_grid_thw" in inputs:
-        inputs["mm_token_type_ids"] = (ids == loaded.processor.image_token_id).long()
+        processor: Any = loaded.processor  # a VL processor made the grid; it names the image placeholder's id
+        inputs["mm_token_type_ids"] = (ids == processor.image_token_id).long()
     return BatchFeature(inputs)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError
@@ -64,6 +64,10 @@ class LoadedModel:
         ids.update([configured] if isinstance(configured, int) else configured or [])
         return frozenset(i for i in ids if isinstance(i, int))  # looked up in the vocab: never the unk id
 
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """The tokenizer's text for one sequence of ids (transformers types `decode` for a batch as well)."""
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
 
 TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-vl", "tiny-audio")
 CHATML_TURN_ENDS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
@@ -74,8 +78,8 @@ def _build_tiny(name: str) -> LoadedModel:
         model, tokenizer = build_tiny_text()
         return LoadedModel(model, tokenizer, None, ("text",), name)
     build, modality = {"tiny-vl": (build_tiny_vl, "image"), "tiny-audio": (build_tiny_audio, "audio")}[name]
-    model, processor = build()
-    return LoadedModel(model, processor.tokenizer, processor, ("text", modality), name)
+    multimodal, processor = build()
+    return LoadedModel(multimodal, processor.tokenizer, processor, ("text", modality), name)
 
 
 def config_modalities(config: PretrainedConfig) -> tuple[str, ...]:
@@ -179,7 +183,7 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
     path = Path(name_or_path).expanduser()
     if name_or_path in TINY_MODELS and not _is_checkpoint(path):
         loaded = _build_tiny(name_or_path)
-        loaded.model.to(device=device, dtype=dtype)
+        loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps-typed `to`
         return loaded
     if name_or_path in TINY_MODELS:
         log.warning("model %r: using the checkpoint folder %s, not the embedded tiny model of that name",
@@ -218,13 +222,13 @@ def _load_folder(path: Path, dtype: torch.dtype | None, device: str | torch.devi
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     modalities = config_modalities(config)
     auto_model = AutoModelForCausalLM if modalities == ("text",) else AutoModelForMultimodalLM
-    model = auto_model.from_pretrained(path, local_files_only=True, dtype=dtype or "auto").to(device)
+    model = auto_model.from_pretrained(path, local_files_only=True, dtype=dtype or "auto").to(device)  # type: ignore[arg-type]
     if modalities == ("text",):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return LoadedModel(model, tokenizer, None, modalities, str(path))
-    processor_cls = PROCESSOR_MAPPING[type(config)]
+    processor_cls = cast("type[ProcessorMixin]", PROCESSOR_MAPPING[type(config)])  # typed as the tokenizers' pairs
     if not is_torchvision_available():
-        processor_cls = without_video(processor_cls)
+        processor_cls = without_video(processor_cls)  # type: ignore[arg-type]  # a class is Hashable; mypy disagrees
     processor = processor_cls.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, processor.tokenizer, processor, modalities, str(path))
 

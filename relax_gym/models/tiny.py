@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import (
@@ -43,7 +43,7 @@ AUDIO_MEL_BINS, AUDIO_CHUNK_S = 32, 2
 
 ModelT = TypeVar("ModelT", bound=PreTrainedModel)
 
-_TEXT = {
+_TEXT: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -61,8 +61,13 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def _token_ids(tokenizer: PreTrainedTokenizerFast, tokens: list[str]) -> list[int]:
+    """`convert_tokens_to_ids` of a list: a list (transformers types the result as either form)."""
+    return cast("list[int]", tokenizer.convert_tokens_to_ids(tokens))
+
+
 def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
-    eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    eos, pad = _token_ids(tokenizer, [EOS_TOKEN, PAD_TOKEN])
     return {"vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
 
 
@@ -113,8 +118,8 @@ def build_tiny_text(seed: int = 0) -> tuple[Qwen3ForCausalLM, PreTrainedTokenize
 def build_tiny_vl(seed: int = 0) -> tuple[Qwen3VLForConditionalGeneration, ProcessorMixin]:
     """Qwen3-VL with a 2-layer, 32-wide vision tower; images go through the PIL image processor."""
     tokenizer = build_tokenizer()
-    image_token, video_token, start, end = tokenizer.convert_tokens_to_ids(
-        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+    image_token, video_token, start, end = _token_ids(
+        tokenizer, ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
     )
     config = Qwen3VLConfig(
         text_config={
@@ -178,7 +183,7 @@ def build_tiny_audio(seed: int = 0) -> tuple[Qwen2AudioForConditionalGeneration,
             "max_source_positions": feature_extractor.nb_max_frames // 2,
         },
         text_config={"model_type": "qwen2", **_TEXT, **_special_ids(tokenizer)},
-        audio_token_index=tokenizer.convert_tokens_to_ids("<|AUDIO|>"),
+        audio_token_index=_token_ids(tokenizer, ["<|AUDIO|>"])[0],
     )
     with _seeded(seed):
         model = Qwen2AudioForConditionalGeneration(config)

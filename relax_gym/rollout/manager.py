@@ -20,6 +20,7 @@ from typing import Any
 
 from relax_gym.core import Env
 from relax_gym.engines.base import Engine, EngineError, EngineUnavailableError, GenerateRequest, SamplingParams
+from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, TemplateError
@@ -329,7 +330,7 @@ class _Episode:
         return traj
 
 
-def _task_text(messages: Sequence[dict[str, Any]]) -> str:
+def _task_text(messages: Sequence[Message]) -> str:
     users = [m for m in messages if m["role"] == "user"]
     if not users:
         return ""

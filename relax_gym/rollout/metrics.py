@@ -46,7 +46,7 @@ def status_breakdown(trajectories: Iterable[Trajectory], examples: int = 3) -> s
     trajs = list(trajectories)
     statuses = Counter(t.status for t in trajs)
     reasons = Counter(reason_kind(t.status_reason) for t in trajs if t.status_reason)
-    first = {}
+    first: dict[str, str] = {}
     for t in trajs:
         first.setdefault(reason_kind(t.status_reason), t.status_reason)
     parts = [f"{len(trajs)} episodes: " + ", ".join(f"{n} {s}" for s, n in statuses.most_common())]

@@ -143,8 +143,8 @@ def run_case(loaded: LoadedModel, name: str, prompt: list[Message], tools: list[
     result = CaseResult(name, diff is None, len(conv.token_ids), len(rerendered), diff)
     if diff is not None:
         lo = max(0, diff - 8)
-        result.appended_context = tok.decode(conv.token_ids[lo:diff + 8])
-        result.rerendered_context = tok.decode(rerendered[lo:diff + 8])
+        result.appended_context = loaded.decode(conv.token_ids[lo:diff + 8])
+        result.rerendered_context = loaded.decode(rerendered[lo:diff + 8])
         result.expected = conv.template_diff() is not None and template_traits(loaded).rewrites_history is not None
     return result
 

@@ -21,6 +21,7 @@ design; `template_diff` measures it and the manager reports it as expected
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,8 +120,8 @@ class ConversationTokens:
         self.versions += [version] * len(output_ids)
         self._ended_by_stop = bool(output_ids) and output_ids[-1] in eos_ids
         body = output_ids[:-1] if self._ended_by_stop else output_ids
-        content = self.loaded.tokenizer.decode(body, skip_special_tokens=False)
-        full = self.loaded.tokenizer.decode(output_ids, skip_special_tokens=False)
+        content = self.loaded.decode(body)
+        full = self.loaded.decode(output_ids)
         self.segments.append(Segment("policy", start, len(self.token_ids), self.turns, full))
         self.messages.append(message("assistant", content))
         return content
@@ -203,7 +204,7 @@ class ConversationTokens:
         follow it). The text up to there must not depend on the new messages.
         """
         assert self.traits is not None
-        located = [{**new_messages[0], "content": [text(NEXT)]}, *new_messages[1:]]
+        located: list[Message] = [{**new_messages[0], "content": [text(NEXT)]}, *new_messages[1:]]
         probe = chat_text(self.loaded, stand_in + located, tools=self.tools, add_generation_prompt=True)
         upto = probe.find(NEXT)
         if upto < 0:
@@ -271,9 +272,9 @@ class ConversationTokens:
         full = chat_text(self.loaded, history, tools=self.tools, add_generation_prompt=True)
         if last is not None:
             full += last.text
-        ours = self.loaded.tokenizer.decode(self.token_ids)
+        ours = self.loaded.decode(self.token_ids)
         for pad in _placeholders(self.loaded):
-            ours = re.sub(f"(?:{re.escape(pad)})+", lambda _m, pad=pad: pad, ours)
+            ours = re.sub(f"(?:{re.escape(pad)})+", _literal(pad), ours)
         return _first_difference(ours, full)
 
 
@@ -282,6 +283,11 @@ def _placeholders(loaded: LoadedModel) -> list[str]:
     processor = loaded.processor
     names = ("image_token", "audio_token", "video_token")
     return [t for t in (getattr(processor, n, None) for n in names) if isinstance(t, str) and t]
+
+
+def _literal(replacement: str) -> Callable[[re.Match[str]], str]:
+    """A `re.sub` replacement that inserts `replacement` as it is (a str would have its backslashes read)."""
+    return lambda _match: replacement
 
 
 def _first_difference(a: Any, b: Any) -> int | None:

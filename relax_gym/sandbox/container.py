@@ -162,7 +162,7 @@ class ContainerBackend:
         with _ENFORCED_LOCK:
             if key in _ENFORCED:
                 return _ENFORCED[key]
-            reasons = []
+            reasons: list[str] = []
             for form, option in self._seccomp_candidates(reasons):
                 try:
                     self._probe(option)

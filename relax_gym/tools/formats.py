@@ -60,7 +60,10 @@ _WS = re.compile(r"\s*")
 class ToolCallFormat(Protocol):
     """How one model family writes tool calls."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The family's name (read-only: the formats are frozen dataclasses)."""
+        ...
 
     def parse(self, text: str) -> ParsedTurn:
         """The turn's content, reasoning, calls and errors; never raises on any str."""

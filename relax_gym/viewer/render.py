@@ -152,7 +152,7 @@ def _problem(t: Trajectory) -> str | None:
 
 
 def _env_row(name: str, trajs: Sequence[Trajectory], statuses: list[str], total: bool = False) -> str:
-    counts = Counter(t.status for t in trajs)
+    counts: Counter[str] = Counter(t.status for t in trajs)
     n = len(trajs)
     tds = f"<td>{name}</td><td>{n}</td><td>{_num(_mean([t.reward for t in trajs]))}</td>"
     tds += "".join(f"<td>{counts[s]}</td>" if counts[s] else '<td class="zero">0</td>' for s in statuses)
@@ -165,7 +165,7 @@ def _summary(trajs: Sequence[Trajectory]) -> str:
     if not trajs:
         return '<section class="summary"><p class="empty">the file holds no trajectories</p></section>'
     statuses = _all_statuses(trajs)
-    counts = Counter(t.status for t in trajs)
+    counts: Counter[str] = Counter(t.status for t in trajs)
     total_tokens = sum(len(t.token_ids) for t in trajs)
     trained = sum(t.num_generated for t in trajs)
     unscored = sum(not math.isfinite(t.reward) for t in trajs)
@@ -190,7 +190,7 @@ def _summary(trajs: Sequence[Trajectory]) -> str:
 
 
 def _toolbar(trajs: Sequence[Trajectory], per_token: bool) -> str:
-    counts = Counter(t.status for t in trajs)
+    counts: Counter[str] = Counter(t.status for t in trajs)
     boxes = "".join(f'<label><input type="checkbox" value="{_e(s)}" checked> {_e(s)} ({counts[s]})</label> '
                     for s in _all_statuses(trajs) if counts[s])
     envs = Counter(_env(t) for t in trajs)

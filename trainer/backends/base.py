@@ -107,7 +107,7 @@ def check_samples(samples: Sequence[Sample], temperature: float) -> None:
         raise ValueError(f"temperature must be positive, got {temperature}")
     for i, s in enumerate(samples):
         n = len(s.token_ids)
-        fields = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
+        fields: dict[str, Sequence[Any]] = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
         fields |= {f: getattr(s, f) for f in OPTIONAL_PER_TOKEN if getattr(s, f) is not None}
         if n == 0 or any(len(v) != n for v in fields.values()):
             lengths = {k: len(v) for k, v in fields.items()}

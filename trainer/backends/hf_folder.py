@@ -13,7 +13,7 @@ copy of the weights: one copy on disk, bit-identical weights after resume.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -44,8 +44,9 @@ def load_hf_weights(model: PreTrainedModel, folder: Path) -> None:
     that `model` does not, is an error rather than a silently initialised tensor.
     """
     with quiet_progress():
-        saved, info = type(model).from_pretrained(folder, dtype=model.dtype, local_files_only=True,
-                                                  output_loading_info=True)
+        # output_loading_info=True: the model and what loading it found (transformers types the model alone)
+        saved, info = cast("tuple[PreTrainedModel, dict[str, list[Any]]]", type(model).from_pretrained(
+            folder, dtype=model.dtype, local_files_only=True, output_loading_info=True))
     problems = {key: sorted(info[key])[:5] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
                 if info[key]}
     if problems:

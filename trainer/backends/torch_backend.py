@@ -190,7 +190,8 @@ class TorchBackend:
         self.autocast_dtype = dtype if dtype == torch.bfloat16 else None
         set_seed(seed)
         self.loaded = loaded
-        self.model = loaded.model.to(device=self.device, dtype=torch.float32 if self.autocast_dtype else dtype)
+        # transformers' `to` is typed through @wraps(nn.Module.to), which mypy reads as unbound
+        self.model = loaded.model.to(device=self.device, dtype=torch.float32 if self.autocast_dtype else dtype)  # type: ignore[call-arg]
         if gradient_checkpointing:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from mbridge.core.util import unwrap_model
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -238,7 +238,7 @@ class MegatronBackend:
         self.bridge.set_extra_args(calculate_per_token_loss=True, variable_seq_lengths=True)
         with torch.random.fork_rng(devices=[]):  # init values are overwritten; keep the caller's RNG
             torch.manual_seed(seed)
-            self.models: list[torch.nn.Module] = self.bridge.get_model(
+            self.models: list[DistributedDataParallel] = self.bridge.get_model(
                 wrap_with_ddp=True, fp16=False, bf16=False, data_parallel_random_init=False,
                 ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": True,
                             "overlap_grad_reduce": False, "overlap_param_gather": False},

@@ -71,6 +71,12 @@ class _StateDictIO:
 class _LocalSpecFixes(Bridge):
     """The fixes shared by the Qwen2 and Qwen3 bridges (mixed in before mbridge's class)."""
 
+    # mbridge's tables (megatron name -> HF name, or -> HF names), copied per instance below
+    _DIRECT_MAPPING: dict[str, str]
+    _ATTENTION_MAPPING: dict[str, list[str]]
+    _MLP_MAPPING: dict[str, list[str]]
+    _OTHER_MAPPING: dict[str, list[str]]
+
     def __init__(self, hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32, **kwargs: Any):
         # fix 6: per-instance mapping tables (mbridge's tied-embedding hook mutates them in place)
         self._DIRECT_MAPPING = dict(self._DIRECT_MAPPING)

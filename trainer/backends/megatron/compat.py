@@ -84,8 +84,8 @@ def enable() -> None:
             return
         from megatron.core.tensor_parallel import random as mcore_random
 
-        torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
-        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment, return-value]  # a device, on purpose
+        torch.cuda.synchronize = lambda device=None: None
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _enabled = True
 
