@@ -20,7 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
-from relax_gym.models import LoadedModel, build_tokenizer, load_model, render
+from relax_gym.models import LoadedModel, build_tokenizer, load_model, render_ids
 
 
 def _wider(device: str) -> LoadedModel:
@@ -46,7 +46,7 @@ def _wider(device: str) -> LoadedModel:
 def _requests(loaded: LoadedModel, n: int, max_new_tokens: int) -> list[GenerateRequest]:
     params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
     return [
-        GenerateRequest(render(loaded, [M.user(f"Question {i}: what is {i} * {i + 3}?")]), params) for i in range(n)
+        GenerateRequest(render_ids(loaded, [M.user(f"Question {i}: what is {i} * {i + 3}?")]), params) for i in range(n)
     ]
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from families import FAMILIES
 
 from relax_gym.messages import message
-from relax_gym.models import render
+from relax_gym.models import render_ids
 from relax_gym.models.template_traits import turn_end_id
 from relax_gym.rollout import ConversationTokens
 
@@ -56,7 +56,7 @@ def measure(family: str, turns: int, repeats: int) -> tuple[float, float]:
         trial.append_observation(new)
         delta.append(time.perf_counter() - start)
         start = time.perf_counter()
-        render(loaded, conv.messages + new, add_generation_prompt=True)
+        render_ids(loaded, conv.messages + new, add_generation_prompt=True)
         full.append(time.perf_counter() - start)
     return statistics.median(delta), statistics.median(full)
 

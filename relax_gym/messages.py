@@ -83,7 +83,8 @@ def assistant(*parts: Part | str) -> Message:
     return message("assistant", *parts)
 
 
-def tool(*parts: Part | str, name: str) -> Message:
+def tool_message(*parts: Part | str, name: str) -> Message:
+    """A `tool` role message: the result of the tool `name` (`relax_gym.tools.tool` is the decorator)."""
     return message("tool", *parts, name=name)
 
 

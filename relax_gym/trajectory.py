@@ -88,19 +88,20 @@ class Trajectory:
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mm_inputs", "media", "segments")}
         out["segments"] = [asdict(s) for s in self.segments]
-        out["media"] = [encode_media(m) for m in self.media]
+        out["media"] = [media_to_json(m) for m in self.media]
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trajectory:
         data = dict(data)
         data["segments"] = [Segment(**s) for s in data.get("segments", [])]
-        data["media"] = [decode_media(m) for m in data.get("media", [])]
+        data["media"] = [media_from_json(m) for m in data.get("media", [])]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def encode_media(item: Any) -> dict[str, Any]:
+def media_to_json(item: Any) -> dict[str, Any]:
+    """One image (PNG) or (waveform, rate) clip (16-bit WAV) as a JSON-ready dict, base64 inside."""
     buf = io.BytesIO()
     if isinstance(item, Image.Image):
         item.save(buf, format="PNG")
@@ -112,7 +113,8 @@ def encode_media(item: Any) -> dict[str, Any]:
     return {"type": "audio", "wav_b64": base64.b64encode(buf.getvalue()).decode(), "sampling_rate": int(rate)}
 
 
-def decode_media(item: dict[str, Any]) -> Any:
+def media_from_json(item: dict[str, Any]) -> Any:
+    """The image or (waveform, rate) clip `media_to_json` wrote."""
     if item["type"] == "image":
         img = Image.open(io.BytesIO(base64.b64decode(item["png_b64"])))
         img.load()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import relax_gym
-from relax_gym.models import load_model, render, save_model
+from relax_gym.models import load_model, render_ids, save_model
 
 ENV_ID = "relax/Arithmetic-v0"
 
@@ -32,7 +32,7 @@ def examples(loaded, seeds: range) -> list[tuple[list[int], list[int]]]:
     out = []
     for seed in seeds:
         obs, _ = env.reset(seed=seed)
-        prompt = render(loaded, env.format_observation(obs), add_generation_prompt=True)
+        prompt = render_ids(loaded, env.format_observation(obs), add_generation_prompt=True)
         answer = tok(str(env.task["answer"]), add_special_tokens=False)["input_ids"] + [end]
         out.append((prompt, answer))
     return out

@@ -36,9 +36,9 @@ def make_request(loaded: LoadedModel, conversation: list[M.Message], sampling: S
 
 def teacher_forced(loaded: LoadedModel, request: GenerateRequest, output_ids: list[int]) -> torch.Tensor:
     """log softmax(logits / T) of the generated tokens, from one unpadded forward pass."""
-    media = [request.mm_inputs] if request.mm_inputs else []
+    mm_inputs = [request.mm_inputs] if request.mm_inputs else []
     with torch.no_grad():
-        logits = loaded.model(**sequence_inputs(loaded, request.input_ids + output_ids, media)).logits[0].float()
+        logits = loaded.model(**sequence_inputs(loaded, request.input_ids + output_ids, mm_inputs)).logits[0].float()
     scaled = logits[len(request.input_ids) - 1 : -1] / (request.sampling.temperature or 1.0)
     return scaled.log_softmax(-1).gather(1, torch.tensor(output_ids)[:, None]).squeeze(1)
 

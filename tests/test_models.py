@@ -23,7 +23,7 @@ from relax_gym.models import (
     chat_text,
     load_model,
     processor_inputs,
-    render,
+    render_ids,
     save_model,
     sequence_inputs,
 )
@@ -65,10 +65,10 @@ def _conversation(name: str) -> list[M.Message]:
         M.system("You are terse."),
         M.user("What is 6*7?", *_media(name, 0)),
         M.assistant(f"<think>\nI will use the calculator.\n</think>\n\n{CALL}"),
-        M.tool("42", name="calculator"),
-        M.tool("Here is a hint:", *_media(name, 1), name="hint"),
+        M.tool_message("42", name="calculator"),
+        M.tool_message("Here is a hint:", *_media(name, 1), name="hint"),
         M.assistant(f"<think>\nCheck it once more.\n</think>\n\n{CALL}"),
-        M.tool("42", name="calculator"),
+        M.tool_message("42", name="calculator"),
         M.assistant("<think>\nDone.\n</think>\n\nThe answer is 42."),
     ]
 
@@ -153,7 +153,7 @@ def test_strict_append_equals_full_render(tiny, name):
     conversation = _conversation(name)
     eos = loaded.tokenizer.eos_token_id
     history = conversation[:2]
-    ids = render(loaded, history, tools=[CALCULATOR])
+    ids = render_ids(loaded, history, tools=[CALCULATOR])
     i = 2
     while i < len(conversation):
         if conversation[i]["role"] == "assistant":
@@ -166,11 +166,11 @@ def test_strict_append_equals_full_render(tiny, name):
         while j < len(conversation) and conversation[j]["role"] != "assistant":
             j += 1
         history += conversation[i:j]
-        extended = render(loaded, history, tools=[CALCULATOR])
+        extended = render_ids(loaded, history, tools=[CALCULATOR])
         assert extended[: len(ids)] == ids
         ids += extended[len(ids) :]
         i = j
-    full = render(loaded, conversation, tools=[CALCULATOR], add_generation_prompt=False)
+    full = render_ids(loaded, conversation, tools=[CALCULATOR], add_generation_prompt=False)
     assert full == ids + loaded.tokenizer.encode("\n", add_special_tokens=False)
 
 
@@ -195,7 +195,7 @@ def test_forward_and_generate_on_a_rendered_conversation(tiny, name):
     conversation = _conversation(name)[:5]
     inputs = processor_inputs(loaded, conversation, tools=[CALCULATOR])
     ids = inputs["input_ids"]
-    assert ids[0].tolist() == render(loaded, conversation, tools=[CALCULATOR])
+    assert ids[0].tolist() == render_ids(loaded, conversation, tools=[CALCULATOR])
     assert ids.shape[1] < 1024
     if name == "tiny-vl":
         config = loaded.model.config
@@ -235,7 +235,7 @@ def test_vl_image_is_bounded_and_audio_is_resampled(tiny):
     vl, audio = tiny["tiny-vl"], tiny["tiny-audio"]
     big = vl.processor.image_processor([Image.new("RGB", (896, 672))], return_tensors="pt")
     assert big["pixel_values"].shape[0] <= 256
-    ids = render(audio, [M.user(M.audio(np.zeros(8000, np.float32), 8000))])
+    ids = render_ids(audio, [M.user(M.audio(np.zeros(8000, np.float32), 8000))])
     assert ids.count(audio.model.config.audio_token_index) == 25  # 1 s at 8 kHz, resampled to 16 kHz
 
 
@@ -244,7 +244,7 @@ def test_text_model_flattens_parts_and_rejects_media(tiny):
     parts = [M.user("What is ", "6*7?")]
     assert chat_text(loaded, parts) == "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="image parts"):
-        render(loaded, [M.user("x", M.image(Image.new("RGB", (8, 8))))])
+        render_ids(loaded, [M.user("x", M.image(Image.new("RGB", (8, 8))))])
 
 
 def test_template_is_attached_to_tokenizer_and_processor(tiny):

@@ -17,8 +17,8 @@ from relax_gym.envs.procedural import ArithmeticEnv
 from relax_gym.messages import user
 from relax_gym.models import load_model
 from relax_gym.rollout import RolloutLimits, RolloutManager
-from relax_gym.trainer.backends.base import Sample
 from relax_gym.trainer.backends.torch_backend import TorchBackend
+from relax_gym.trainer.batch import Sample
 
 ENV_MODELS = [
     ("relax/Math-v0", "tiny"),

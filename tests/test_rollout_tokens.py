@@ -67,7 +67,7 @@ def test_segments_masks_and_media_follow_the_turns():
     assert conv.loss_mask[policy.start:policy.end] == [1] * len(ids)
     assert sum(conv.loss_mask) == len(ids)
     assert conv.versions[policy.start:policy.end] == [3] * len(ids)
-    assert conv.engine_media()["image_grid_thw"].shape[0] == 2
+    assert conv.mm_inputs()["image_grid_thw"].shape[0] == 2
     # decoding the appended sequence gives the conversation as the template renders it
     rendered = chat_text(loaded, conv.messages, add_generation_prompt=True)
     assert loaded.tokenizer.decode(conv.token_ids) == loaded.tokenizer.decode(

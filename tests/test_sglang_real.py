@@ -25,7 +25,7 @@ import torch
 
 from relax_gym import messages as M
 from relax_gym.engines import GenerateRequest, SamplingParams, SGLangEngine, launch_sglang_server
-from relax_gym.models import LoadedModel, load_model, render, save_model
+from relax_gym.models import LoadedModel, load_model, render_ids, save_model
 
 pytest.importorskip("sglang")
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def _run(url: str, use):
 
 def test_tokens_and_logprobs_match_a_transformers_forward(server, model):
     """SGLang's kernels differ from transformers', so logprobs agree to a tolerance, not exactly."""
-    prompt = render(model, [M.user("What is 6*7?")])
+    prompt = render_ids(model, [M.user("What is 6*7?")])
     request = GenerateRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=16))
     out = _run(server, lambda client: client.generate(request))
     assert out.finish_reason in ("stop", "length") and 0 < len(out.output_ids) <= 16
@@ -86,7 +86,7 @@ def test_tokens_and_logprobs_match_a_transformers_forward(server, model):
 
 def test_weight_update_from_disk_bumps_the_version(server, model, tmp_path):
     save_model(model, tmp_path / "step-1")
-    request = GenerateRequest(render(model, [M.user("Hi")]), SamplingParams(temperature=0, max_new_tokens=4))
+    request = GenerateRequest(render_ids(model, [M.user("Hi")]), SamplingParams(temperature=0, max_new_tokens=4))
 
     async def use(client: SGLangEngine):
         await client.update_weights(tmp_path / "step-1", 1)

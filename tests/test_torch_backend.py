@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from relax_gym import messages as M
-from relax_gym.models import MEDIA_KEYS, TINY_MODELS, load_model, processor_inputs, render
+from relax_gym.models import MEDIA_KEYS, TINY_MODELS, load_model, processor_inputs, render_ids
 from relax_gym.trainer.backends import (
     MicroBatch,
     Sample,
@@ -56,7 +56,7 @@ def _example(name: str, loaded, seed: int, *, media: bool = True) -> tuple[Sampl
     ]
     inputs = processor_inputs(loaded, conversation, add_generation_prompt=False)
     ids = inputs["input_ids"][0].tolist()
-    prompt = len(render(loaded, conversation[:1]))
+    prompt = len(render_ids(loaded, conversation[:1]))
     mask = [0] * prompt + (rng.random(len(ids) - prompt) < 0.7).astype(int).tolist()
     sample = Sample(
         token_ids=ids,
@@ -245,7 +245,7 @@ def test_train_step_metrics_version_and_optional_fields():
     samples = _samples("tiny", 3)
     old = TorchBackend(load_model("tiny")).logprobs(samples)
     for s, o in zip(samples, old, strict=True):
-        s.old_logprobs = o.logprobs.tolist()
+        s.old_logprobs = o.logprobs
     seen: list[MicroBatch] = []
 
     def loss_fn(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -317,7 +317,7 @@ def test_invalid_inputs_are_rejected():
     with pytest.raises(ValueError, match="must match its 3 token_ids"):
         backend.logprobs([Sample([1, 2, 3], [0, 1], [0.0, 0.0, 0.0])])
     with pytest.raises(ValueError, match="old_logprobs is set on some"):
-        backend.train_step([good, Sample([1, 2], [0, 1], [0.0, 0.0], old_logprobs=[0.0, 0.0])], _pg_loss)
+        backend.train_step([good, Sample([1, 2], [0, 1], [0.0, 0.0], old_logprobs=torch.zeros(2))], _pg_loss)
     with pytest.raises(ValueError, match="temperature"):
         backend.logprobs([good], temperature=0.0)
     with pytest.raises(ValueError, match="no samples"):

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from relax_gym.trainer.backends.base import LogprobOutput, LossFn, Sample, TrainBackend
+from relax_gym.trainer.backends.base import LogprobOutput, TrainBackend
+from relax_gym.trainer.batch import LossFn, Sample
 
 _STOP = "stop"
 

@@ -33,16 +33,17 @@ from typing import Any
 import torch
 
 from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
+from relax_gym.engines.factory import make_engine
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.rollout.metrics import reason_kind, status_breakdown
-from relax_gym.rollout.run import make_engine
 from relax_gym.rollout.startup import EnvUse, check_run
-from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
-from relax_gym.trainer.backends.base import Sample, TrainBackend
+from relax_gym.trainer.algorithms import filter_uniform_groups, make_loss_fn, one_group_advantages
+from relax_gym.trainer.backends.base import TrainBackend
+from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.checkpoint import CheckpointManager
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trainer.databus import DataBus, Group
@@ -73,7 +74,7 @@ def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
     if not usable:
         return []
     rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)
-    advantages = group_advantages(rewards, [0] * len(usable), std_normalize=std_normalize)
+    advantages = one_group_advantages(rewards, std_normalize=std_normalize)
     return [
         Sample(token_ids=t.token_ids, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
                advantage=float(a), mm_inputs=t.mm_inputs, versions=t.versions)
@@ -367,12 +368,12 @@ class Trainer:
         if samples and cfg.algorithm.recompute_old_logprobs:
             outs = await asyncio.to_thread(self.backend.logprobs, samples, temperature=temperature)
             for s, o in zip(samples, outs, strict=True):
-                s.old_logprobs = o.logprobs.tolist()
+                s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
         for frozen, attr in ((self.ref, "ref_logprobs"), (self.teacher, "teacher_logprobs")):
             if frozen is not None and samples:
                 outs = await asyncio.to_thread(frozen.logprobs, samples, temperature=temperature)
                 for s, o in zip(samples, outs, strict=True):
-                    setattr(s, attr, o.logprobs.tolist())
+                    setattr(s, attr, o.logprobs.clone())
         timings["logprobs_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         train_metrics: dict[str, float] = {}

@@ -18,7 +18,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from relax_gym.rollout.metrics import status_breakdown
-from relax_gym.trainer.backends.base import Sample
+from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.databus import Group, group_staleness
 from relax_gym.trajectory import Trajectory, append_jsonl
 

@@ -32,6 +32,8 @@ _LAZY = {
     "ScriptError": "relax_gym.engines.scripted",
     "ScriptedEngine": "relax_gym.engines.scripted",
     "ScriptedTurn": "relax_gym.engines.scripted",
+    "EngineSettings": "relax_gym.engines.factory",
+    "make_engine": "relax_gym.engines.factory",
 }
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "EmbeddedEngine",
     "Engine",
     "EngineError",
+    "EngineSettings",
     "FinishReason",
     "GenerateOutput",
     "GenerateRequest",
@@ -52,6 +55,7 @@ __all__ = [
     "ServerLimits",
     "create_app",
     "launch_sglang_server",
+    "make_engine",
     "serve",
 ]
 

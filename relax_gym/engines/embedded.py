@@ -9,8 +9,8 @@ form the next batch.
 
 `model.generate` keeps the model-specific work (KV cache, Qwen-VL's M-RoPE
 positions under left padding, splicing image / audio features in at prefill);
-per-row sampling and stopping live in `_BatchDecoder`, which samples from the
-raw logits captured by a forward hook, so no processor `generate` adds from a
+per-row sampling (`relax_gym.engines.sampling`) and stopping live in `_BatchDecoder`, which samples
+from the raw logits captured by a forward hook, so no processor `generate` adds from a
 checkpoint's generation_config can change what the reported logprobs mean.
 
 Media placeholder tokens (`<|image_pad|>`, `<|AUDIO|>`, ...) are never sampled:
@@ -59,6 +59,7 @@ from relax_gym.engines.base import (
     RequestError,
     SamplingParams,
 )
+from relax_gym.engines.sampling import RowSampler
 from relax_gym.models import LoadedModel, encode_media
 
 # Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
@@ -83,7 +84,7 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
 @dataclass(eq=False)  # compared by identity: the deque of queued jobs is searched for one
 class _Job:
     request: GenerateRequest
-    media: dict[str, torch.Tensor]
+    mm_inputs: dict[str, torch.Tensor]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     #: set past the caller's deadline: the row ends with "abort" at its next step, keeping what it generated
@@ -101,21 +102,10 @@ class _Update:
     loop: asyncio.AbstractEventLoop
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Masks to -inf what top-k (0 = off) and top-p drop, per row; both masks act on the full
-    distribution, as SGLang's sampler does. The most likely token always survives."""
-    ordered, order = logits.sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
-    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    return torch.full_like(logits, -torch.inf).scatter(1, order, ordered.masked_fill(drop, -torch.inf))
-
-
 class _BatchDecoder(LogitsProcessor):
     """Per-row sampling and stop bookkeeping for one batch, installed as generate's logits processor.
 
-    Each step it samples every row from the raw logits under that row's own params,
+    Each step it samples every row from the raw logits under that row's own params (`RowSampler`),
     records token and logprob, decides which rows stop, and returns scores that make
     generate's greedy pick exactly the sampled tokens.
     """
@@ -134,28 +124,13 @@ class _BatchDecoder(LogitsProcessor):
     ) -> None:
         self.params = list(params)
         rows = len(params)
-
-        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.temperature = tensor([p.temperature for p in params], torch.float32)
-        self.greedy = self.temperature == 0
-        self.top_k = tensor([p.top_k for p in params], torch.long)
-        self.top_p = tensor([p.top_p for p in params], torch.float32)
-        self.all_greedy = all(p.temperature == 0 for p in params)
-        self.truncates = any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0)
+        self.sampler = RowSampler(params, device=device, generator=generator, never=never)
         self.stop_ids = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         for i, p in enumerate(params):
             self.stop_ids[i, sorted(eos | set(p.stop_token_ids))] = True
         # Enough trailing tokens to hold any stop string, even one byte per token.
         self.window = [4 * max(map(len, p.stop), default=0) + 4 for p in params]
-        self.generator, self.decode, self.aborted = generator, decode, aborted
-        # rows with their own seed draw from their own generator, whatever else is in the batch
-        self.row_generators = [
-            None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params
-        ]
-        self.seeded = [i for i, g in enumerate(self.row_generators) if g is not None]
-        self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
+        self.decode, self.aborted = decode, aborted
         self.output_ids: list[list[int]] = [[] for _ in params]
         self.logprobs: list[list[float]] = [[] for _ in params]
         self.reasons: list[FinishReason | None] = [None] * rows
@@ -167,25 +142,9 @@ class _BatchDecoder(LogitsProcessor):
         """Forward hook: the model's last-position logits, before any logits processor."""
         self.raw = output.logits[:, -1].float()
 
-    def sample(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's token and its log p under softmax(raw / T) (T = 1 for greedy), untruncated."""
-        temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
-        allowed = raw if self.never is None else raw.index_fill(1, self.never, -torch.inf)
-        tokens = allowed.argmax(dim=-1)
-        if not self.all_greedy:
-            choice = allowed / temperature
-            kept = _top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
-            probs = kept.softmax(dim=-1)
-            drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-            for i in self.seeded:
-                drawn[i] = torch.multinomial(probs[i], 1, generator=self.row_generators[i])[0]
-            tokens = torch.where(self.greedy, tokens, drawn)
-        logprobs = (raw / temperature).log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        return tokens, logprobs
-
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         assert self.raw is not None, "the logits hook did not run"
-        tokens, logprobs = self.sample(self.raw)
+        tokens, logprobs = self.sampler.sample(self.raw)
         hit_stop_id = self.stop_ids[self.rows, tokens]
         step = torch.stack([tokens.double(), logprobs.double(), hit_stop_id.double()]).tolist()
         for i, (token, logprob, stop_id) in enumerate(zip(*step, strict=True)):
@@ -274,9 +233,9 @@ class EmbeddedEngine:
         self._validate(request)
         if request.sampling.max_new_tokens == 0:
             return GenerateOutput([], [], "length", self._version, len(request.input_ids))
-        media = await self._media(request)
+        mm_inputs = await self._mm_inputs(request)
         loop = asyncio.get_running_loop()
-        job = _Job(request, media, loop.create_future(), loop)
+        job = _Job(request, mm_inputs, loop.create_future(), loop)
         with self._cond:
             self._check_open()
             self._jobs.append(job)
@@ -400,8 +359,8 @@ class EmbeddedEngine:
         if failed := [name for name, ok in checks.items() if not ok]:
             raise RequestError(f"sampling.{failed[0]}: invalid value in {params}")
 
-    async def _media(self, request: GenerateRequest) -> dict[str, torch.Tensor]:
-        """The request's media features: its own `mm_inputs`, else the processor run on its media."""
+    async def _mm_inputs(self, request: GenerateRequest) -> dict[str, torch.Tensor]:
+        """The request's processor outputs: its own `mm_inputs`, else the processor run on its images / audios."""
         if request.mm_inputs:
             return {k: v for k, v in request.mm_inputs.items() if k not in TOKEN_KEYS}
         if not (request.images or request.audios):
@@ -409,8 +368,8 @@ class EmbeddedEngine:
         processor = self.loaded.processor
         placeholders = getattr(processor, "image_token", "") * len(request.images)
         placeholders += getattr(processor, "audio_token", "") * len(request.audios)
-        _, media = await asyncio.to_thread(self.encode, placeholders, request.images, request.audios)
-        return media
+        _, mm_inputs = await asyncio.to_thread(self.encode, placeholders, request.images, request.audios)
+        return mm_inputs
 
     def _checked_tensors(self, weights: Any) -> dict[str, torch.Tensor]:
         """`weights` as {model parameter name: tensor}; raises an EngineError naming any bad key or shape."""
@@ -527,7 +486,7 @@ class EmbeddedEngine:
 
     def _generate(self, jobs: list[_Job], version: int) -> list[GenerateOutput]:
         prompts = [job.request.input_ids for job in jobs]
-        inputs = self._batch_inputs(prompts, [job.media for job in jobs])
+        inputs = self._batch_inputs(prompts, [job.mm_inputs for job in jobs])
         decoder = _BatchDecoder(
             [job.request.sampling for job in jobs],
             eos=self.eos_token_ids,
@@ -568,8 +527,9 @@ class EmbeddedEngine:
             )
         ]
 
-    def _batch_inputs(self, prompts: list[list[int]], media: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Left-padded ids and mask, plus every row's media features concatenated in row order."""
+    def _batch_inputs(self, prompts: list[list[int]],
+                      mm_inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Left-padded ids and mask, plus every row's processor outputs (`mm_inputs`) concatenated in row order."""
         longest = max(map(len, prompts))
         ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -580,8 +540,8 @@ class EmbeddedEngine:
         if self._mm_token_types:
             processor: Any = self.loaded.processor  # not None here (see __init__); typed for lists, takes the tensor
             inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids))
-        for key in dict.fromkeys(k for row in media for k in row):
-            value = torch.cat([torch.as_tensor(row[key]) for row in media if key in row])
+        for key in dict.fromkeys(k for row in mm_inputs for k in row):
+            value = torch.cat([torch.as_tensor(row[key]) for row in mm_inputs if key in row])
             inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value
         return {k: v.to(self.device) for k, v in inputs.items()}
 

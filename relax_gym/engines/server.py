@@ -6,7 +6,7 @@ share one served model. What differs from SGLang, by necessity:
 
 - `/generate` takes one request per call (they are batched server-side); its
   `input_ids` must already hold the expanded image / audio placeholders, as
-  `relax_gym.models.render` gives them. Only output logprobs are returned
+  `relax_gym.models.render_ids` gives them. Only output logprobs are returned
   (`logprob_start_len` is accepted, input logprobs are not computed).
   `image_data` / `audio_data` items are data URLs or bare base64, never server paths.
 - `/update_weights_from_tensor` takes `{"safetensors_b64": <base64 of a

@@ -1,7 +1,7 @@
 """Models for rollouts and training: the embedded tiny ones and local HF checkpoints.
 
 `load_model("tiny" | "tiny-vl" | "tiny-audio" | folder)` gives a `LoadedModel`;
-`render` / `processor_inputs` turn chat messages into its exact inputs, and
+`render_ids` / `processor_inputs` turn chat messages into its exact inputs, and
 `sequence_inputs` rebuilds them for a turn-by-turn appended trajectory.
 """
 
@@ -13,7 +13,7 @@ from relax_gym.models.inputs import (
     encode,
     encode_media,
     processor_inputs,
-    render,
+    render_ids,
     sequence_inputs,
     template_messages,
 )
@@ -45,7 +45,7 @@ __all__ = [
     "encode_media",
     "load_model",
     "processor_inputs",
-    "render",
+    "render_ids",
     "save_model",
     "sequence_inputs",
     "template_messages",

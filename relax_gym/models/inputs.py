@@ -144,7 +144,7 @@ def encode_media(
     return loaded.processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
 
 
-def render(
+def render_ids(
     loaded: LoadedModel,
     messages: list[Message],
     *,
@@ -157,17 +157,17 @@ def render(
 
 
 def sequence_inputs(
-    loaded: LoadedModel, token_ids: Sequence[int] | torch.Tensor, media: Sequence[Mapping[str, Any]] = ()
+    loaded: LoadedModel, token_ids: Sequence[int] | torch.Tensor, mm_inputs: Sequence[Mapping[str, Any]] = ()
 ) -> BatchFeature:
     """Inputs for a sequence built by appending turns rather than by one render, as trajectories are.
 
-    `media` holds each turn's `processor_inputs` (or just its `MEDIA_KEYS`) in turn order. M-RoPE
+    `mm_inputs` holds each turn's `processor_inputs` (or just its `MEDIA_KEYS`) in turn order. M-RoPE
     models (Qwen-VL) also need `mm_token_type_ids`, which marks the image placeholder positions.
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long).view(1, -1)
     inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     for key in MEDIA_KEYS:
-        if chunks := [m[key] for m in media if key in m]:
+        if chunks := [m[key] for m in mm_inputs if key in m]:
             inputs[key] = torch.cat(chunks)
     if "image_grid_thw" in inputs:
         processor: Any = loaded.processor  # a VL processor made the grid; it names the image placeholder's id

@@ -8,13 +8,13 @@ from relax_gym.rewards.choice import multiple_choice_reward
 from relax_gym.rewards.extract import extract_boxed, extract_dapo_answer, extract_tag
 from relax_gym.rewards.format_check import format_reward, think_answer_format
 from relax_gym.rewards.math_answer import AnswerFormat, math_reward, shutdown_math_workers
-from relax_gym.rewards.result import RewardResult, Status
+from relax_gym.rewards.result import RewardResult, RewardStatus
 from relax_gym.rewards.text_match import exact_match_reward, f1_reward, normalize_answer
 
 __all__ = [
     "AnswerFormat",
     "RewardResult",
-    "Status",
+    "RewardStatus",
     "exact_match_reward",
     "extract_boxed",
     "extract_dapo_answer",

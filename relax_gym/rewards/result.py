@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, ParamSpec
 
-Status = Literal["ok", "timeout", "error"]
+RewardStatus = Literal["ok", "timeout", "error"]
 _P = ParamSpec("_P")
 
 
@@ -22,7 +22,7 @@ class RewardResult:
     """
 
     score: float
-    status: Status = "ok"
+    status: RewardStatus = "ok"
     detail: str | None = None
     extracted: str | None = None
 

@@ -245,7 +245,7 @@ class _Episode:
                 sampling=sampling,
                 images=[x for x in self.conv.media if not isinstance(x, tuple)],
                 audios=[x for x in self.conv.media if isinstance(x, tuple)],
-                mm_inputs=self.conv.engine_media() or None,
+                mm_inputs=self.conv.mm_inputs() or None,
                 rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
             )
             start = time.perf_counter()
@@ -321,7 +321,7 @@ class _Episode:
             task=self.task,
             segments=conv.segments if conv else [],
             media=conv.media if conv else [],
-            mm_inputs=conv.engine_media() if conv else {},
+            mm_inputs=conv.mm_inputs() if conv else {},
             metrics=metrics,
             infos=self.infos,
             seed=self.seed,

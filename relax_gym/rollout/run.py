@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relax_gym.engines.base import Engine
+from relax_gym.engines.factory import make_engine
 from relax_gym.errors import RunStopped
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.rollout.metrics import status_breakdown, summarize
 from relax_gym.rollout.startup import EnvUse, check_run
-from relax_gym.trainer.config import RolloutConfig
 from relax_gym.trajectory import Trajectory, append_jsonl
 
-
-def make_engine(loaded: Any, rollout: RolloutConfig, *, seed: int = 0) -> Engine:
-    """The engine `rollout.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
-    is the cap), or the embedded engine over `loaded`."""
-    if rollout.engine == "sglang" and rollout.engine_url:
-        from relax_gym.engines.sglang import SGLangEngine
-
-        return SGLangEngine(rollout.engine_url, outage_timeout_s=rollout.engine_outage_timeout_s,
-                            max_connections=None)
-    from relax_gym.engines.embedded import EmbeddedEngine
-
-    return EmbeddedEngine(loaded, max_batch_size=rollout.engine_max_batch_size, seed=seed)
+if TYPE_CHECKING:  # the rollout package does not import the trainer's at run time
+    from relax_gym.trainer.config import RolloutConfig
 
 
 async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: str | Path,
@@ -40,7 +29,10 @@ async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, out:
     before the first episode (`startup.check_run`, StartupError); if every episode fails or aborts, the file is
     kept and RunStopped says why.
     """
-    rollout = rollout or RolloutConfig()
+    if rollout is None:
+        from relax_gym.trainer.config import RolloutConfig  # its defaults: the CLI's settings when none are given
+
+        rollout = RolloutConfig()
     env_id = resolve_env_id(env_id)
     loaded = load_model(model) if isinstance(model, str) else model
     check_run(loaded, [EnvUse(env_id, env_kwargs or {}, "--env")], max_total_tokens=rollout.max_total_tokens,

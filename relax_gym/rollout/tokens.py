@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from relax_gym.messages import Message, message, text
-from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render, sequence_inputs
+from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render_ids, sequence_inputs
 from relax_gym.models.template_traits import (
     MARK,
     NEXT,
@@ -76,7 +76,8 @@ class ConversationTokens:
     versions: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     media: list[Any] = field(default_factory=list)
-    media_features: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    #: each turn's processor outputs for `media` (pixel_values, image_grid_thw, ...), in turn order
+    turn_mm_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     prompt_len: int = 0
     turns: int = 0
     traits: TemplateTraits | None = None
@@ -99,7 +100,7 @@ class ConversationTokens:
         first_media = len(self.media)
         self.media += _media_of(new_messages)
         if features:
-            self.media_features.append(features)
+            self.turn_mm_inputs.append(features)
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -224,13 +225,13 @@ class ConversationTokens:
         return cut
 
     # --- outputs ------------------------------------------------------------------
-    def engine_media(self) -> dict[str, torch.Tensor]:
+    def mm_inputs(self) -> dict[str, torch.Tensor]:
         """Processor outputs of every image / clip so far, concatenated in turn order."""
-        return {k: torch.cat([f[k] for f in self.media_features if k in f])
-                for k in MEDIA_KEYS if any(k in f for f in self.media_features)}
+        return {k: torch.cat([f[k] for f in self.turn_mm_inputs if k in f])
+                for k in MEDIA_KEYS if any(k in f for f in self.turn_mm_inputs)}
 
     def model_inputs(self) -> Any:
-        return sequence_inputs(self.loaded, self.token_ids, self.media_features)
+        return sequence_inputs(self.loaded, self.token_ids, self.turn_mm_inputs)
 
     def _history(self) -> tuple[list[Message], Segment | None]:
         """The messages up to the last generation prompt, and the final policy turn if the sequence ends on one.
@@ -245,7 +246,7 @@ class ConversationTokens:
     def rerendered_ids(self) -> list[int]:
         """The token ids a full re-render gives (plus the final policy turn's own tokens)."""
         history, last = self._history()
-        ids = render(self.loaded, history, tools=self.tools, add_generation_prompt=True)
+        ids = render_ids(self.loaded, history, tools=self.tools, add_generation_prompt=True)
         return ids + (self.token_ids[last.start:last.end] if last is not None else [])
 
     def rerender_diff(self) -> int | None:

@@ -23,7 +23,7 @@ from relax_gym.tools.function_tool import (
     to_parts,
     tool,
 )
-from relax_gym.tools.parser import ParsedTurn, ToolCall, ToolCallError, parse_tool_calls
+from relax_gym.tools.parser import MalformedToolCall, ParsedTurn, ToolCall, parse_tool_calls
 
 __all__ = [
     "TOOL_FORMATS",
@@ -32,12 +32,12 @@ __all__ = [
     "HarmonyFormat",
     "HermesFormat",
     "Llama3Format",
+    "MalformedToolCall",
     "MistralFormat",
     "ParsedTurn",
     "ResponseTemplateFormat",
     "Tool",
     "ToolCall",
-    "ToolCallError",
     "ToolCallFormat",
     "ToolDefinitionError",
     "ToolError",

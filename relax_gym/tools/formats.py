@@ -20,7 +20,7 @@ read from the content only.
 A format may also have a true `call_ids` attribute (Mistral v3): its templates refuse a tool
 result without a `tool_call_id`, so `ToolEnv` gives one to every tool message it writes.
 
-Every parser is a total function of untrusted text: malformed calls become `ToolCallError`s
+Every parser is a total function of untrusted text: malformed calls become `MalformedToolCall`s
 the model can read, never exceptions, and all scanning is `str.find` / `str.split` or regexes
 without nested quantifiers, so the time is linear in the text.
 """
@@ -40,9 +40,9 @@ from typing import Any, Protocol, runtime_checkable
 from relax_gym.tools.parser import (
     CLOSE,
     OPEN,
+    MalformedToolCall,
     ParsedTurn,
     ToolCall,
-    ToolCallError,
     call_from_fields,
     call_from_object,
     decode_json,
@@ -78,19 +78,19 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _turn(content: str, calls_and_errors: Sequence[ToolCall | ToolCallError], reasoning: str) -> ParsedTurn:
+def _turn(content: str, calls_and_errors: Sequence[ToolCall | MalformedToolCall], reasoning: str) -> ParsedTurn:
     calls = [c for c in calls_and_errors if isinstance(c, ToolCall)]
-    errors = [c for c in calls_and_errors if isinstance(c, ToolCallError)]
+    errors = [c for c in calls_and_errors if isinstance(c, MalformedToolCall)]
     return ParsedTurn(content=content.strip(), calls=calls, errors=errors, reasoning=reasoning)
 
 
-def _json_args(raw: str, name: str, body: str, call_id: str | None = None) -> ToolCall | ToolCallError:
+def _json_args(raw: str, name: str, body: str, call_id: str | None = None) -> ToolCall | MalformedToolCall:
     """A call whose arguments are the JSON object `body` (blank is `{}`)."""
     if not body.strip():
         return call_from_fields(raw, name, {}, call_id)
     args, problem = decode_json(body)
     if problem is not None:
-        return ToolCallError(raw, f"malformed JSON in the arguments of {shown(name.strip())}: {problem}")
+        return MalformedToolCall(raw, f"malformed JSON in the arguments of {shown(name.strip())}: {problem}")
     return call_from_fields(raw, name, args, call_id)
 
 
@@ -117,22 +117,22 @@ PYTHON_TAG = "<|python_tag|>"
 _LLAMA_STOPS = ("<|eom_id|>", "<|eot_id|>")
 
 
-def _json_sequence(body: str) -> list[tuple[str, Any] | ToolCallError]:
+def _json_sequence(body: str) -> list[tuple[str, Any] | MalformedToolCall]:
     """`obj; obj; ...` decoded left to right; the first undecodable rest is one error."""
     decoder = json.JSONDecoder()
-    out: list[tuple[str, Any] | ToolCallError] = []
+    out: list[tuple[str, Any] | MalformedToolCall] = []
     pos = _WS.match(body).end()  # type: ignore[union-attr]
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
         except (ValueError, RecursionError) as err:
-            out.append(ToolCallError(body[pos:], f"malformed JSON in tool call: {json_problem(err)}"))
+            out.append(MalformedToolCall(body[pos:], f"malformed JSON in tool call: {json_problem(err)}"))
             break
         out.append((body[pos:end], obj))
         pos = _WS.match(body, end).end()  # type: ignore[union-attr]
         if pos < len(body):
             if body[pos] != ";":
-                out.append(ToolCallError(body[pos:], "unexpected text after a tool call: separate calls with ';'"))
+                out.append(MalformedToolCall(body[pos:], "unexpected text after a tool call: separate calls with ';'"))
                 break
             pos = _WS.match(body, pos + 1).end()  # type: ignore[union-attr]
     return out
@@ -153,7 +153,7 @@ def _plain_json(value: Any) -> Any:
     raise ValueError(type(value).__name__)
 
 
-def _pythonic_calls(body: str) -> list[ToolCall | ToolCallError] | None:
+def _pythonic_calls(body: str) -> list[ToolCall | MalformedToolCall] | None:
     """Llama 3.2's `[f(x=1), g(y="a")]`; None when `body` is not a list of calls."""
     try:
         node = ast.parse(body, mode="eval").body
@@ -164,18 +164,19 @@ def _pythonic_calls(body: str) -> list[ToolCall | ToolCallError] | None:
     calls = [e for e in node.elts if isinstance(e, ast.Call)]
     if len(calls) != len(node.elts):
         return None
-    out: list[ToolCall | ToolCallError] = []
+    out: list[ToolCall | MalformedToolCall] = []
     for call in calls:
         try:
             raw = ast.unparse(call)
         except (ValueError, RecursionError):
             raw = body
         if not isinstance(call.func, ast.Name):
-            out.append(ToolCallError(raw, "a pythonic tool call must name the tool plainly: [tool_name(arg=value)]"))
+            out.append(MalformedToolCall(raw,
+                                         "a pythonic tool call must name the tool plainly: [tool_name(arg=value)]"))
             continue
         name = call.func.id
         if call.args or any(kw.arg is None for kw in call.keywords):
-            out.append(ToolCallError(raw, f"pass the arguments of {shown(name)} by keyword: tool_name(arg=value)"))
+            out.append(MalformedToolCall(raw, f"pass the arguments of {shown(name)} by keyword: tool_name(arg=value)"))
             continue
         args: dict[str, Any] = {}
         for kw in call.keywords:
@@ -183,7 +184,7 @@ def _pythonic_calls(body: str) -> list[ToolCall | ToolCallError] | None:
                 args[str(kw.arg)] = _plain_json(ast.literal_eval(kw.value))
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 problem = f"argument {shown(str(kw.arg))} of {shown(name)} must be a JSON-like literal"
-                out.append(ToolCallError(raw, problem))
+                out.append(MalformedToolCall(raw, problem))
                 break
         else:
             out.append(call_from_fields(raw, name, args))
@@ -215,7 +216,7 @@ class Llama3Format:
         return _turn("" if found is not None else text, found or [], reasoning)
 
     @staticmethod
-    def _calls(body: str, *, strict: bool) -> list[ToolCall | ToolCallError] | None:
+    def _calls(body: str, *, strict: bool) -> list[ToolCall | MalformedToolCall] | None:
         """The calls in `body`; None (not strict) when it is prose, not an attempt at calls."""
         body = body.strip()
         if body.startswith("["):
@@ -232,11 +233,12 @@ class Llama3Format:
                 '"name"' in body and ('"parameters"' in body or '"arguments"' in body)
             )
             if attempt or strict:
-                return [it if isinstance(it, ToolCallError) else call_from_object(*it) for it in items]
+                return [it if isinstance(it, MalformedToolCall) else call_from_object(*it) for it in items]
             return None
         if not strict:
             return None
-        return [ToolCallError(body, f'after {PYTHON_TAG} write tool calls as {{"name": ..., "parameters": {{...}}}}')]
+        return [MalformedToolCall(body,
+                                  f'after {PYTHON_TAG} write tool calls as {{"name": ..., "parameters": {{...}}}}')]
 
     def write_calls(self, calls: Calls, content: str = "") -> str:
         body = "; ".join(_dumps({"name": n, "parameters": a}) for n, a in calls)
@@ -261,10 +263,10 @@ def mistral_call_id(index: int, name: str, arguments: dict[str, Any]) -> str:
     return make_call_id(index, name, arguments)
 
 
-def _mistral_call(raw: str, name: Any, args: Any, call_id: Any) -> ToolCall | ToolCallError:
+def _mistral_call(raw: str, name: Any, args: Any, call_id: Any) -> ToolCall | MalformedToolCall:
     if call_id is not None and not (isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii()
                                     and call_id.isalnum()):
-        return ToolCallError(raw, f'a tool call "id" must be 9 letters or digits, got {shown(str(call_id))}')
+        return MalformedToolCall(raw, f'a tool call "id" must be 9 letters or digits, got {shown(str(call_id))}')
     return call_from_fields(raw, name, args, call_id)
 
 
@@ -298,7 +300,7 @@ class MistralFormat:
             reasoning, text = split_reasoning(text)
         head, *segments = text.rstrip().removesuffix("</s>").split(TOOL_CALLS)
         prose = [head]
-        found: list[ToolCall | ToolCallError] = []
+        found: list[ToolCall | MalformedToolCall] = []
         for seg in segments:
             prose.append(self._segment(seg, found))
         if self.style == "v3":  # v3 templates want an id on every call and tool result: give one where none was written
@@ -309,24 +311,25 @@ class MistralFormat:
         return _turn("".join(prose), found, reasoning)
 
     @staticmethod
-    def _segment(seg: str, found: list[ToolCall | ToolCallError]) -> str:
+    def _segment(seg: str, found: list[ToolCall | MalformedToolCall]) -> str:
         """Reads the calls of one `[TOOL_CALLS]` segment into `found`; returns its trailing prose."""
         body = seg.lstrip()
         if body.startswith(("[", "{")):  # v3: a JSON list of calls (or one call)
             try:
                 obj, end = json.JSONDecoder().raw_decode(body)
             except (ValueError, RecursionError) as err:
-                found.append(ToolCallError(seg, f"malformed JSON after {TOOL_CALLS}: {json_problem(err)}"))
+                found.append(MalformedToolCall(seg, f"malformed JSON after {TOOL_CALLS}: {json_problem(err)}"))
                 return ""
             for item in obj if isinstance(obj, list) else [obj]:
                 raw = _dumps(item)
                 if not isinstance(item, dict):
-                    found.append(ToolCallError(raw, f"a tool call must be a JSON object, got {type(item).__name__}"))
+                    problem = f"a tool call must be a JSON object, got {type(item).__name__}"
+                    found.append(MalformedToolCall(raw, problem))
                     continue
                 args = item["arguments"] if "arguments" in item else item.get("parameters")
                 found.append(_mistral_call(raw, item.get("name"), args, item.get("id")))
             if isinstance(obj, list) and not obj:
-                found.append(ToolCallError(seg, f"an empty list of tool calls after {TOOL_CALLS}"))
+                found.append(MalformedToolCall(seg, f"an empty list of tool calls after {TOOL_CALLS}"))
             return body[end:]
         # v11: name[ARGS]{json}, or name{json} when [ARGS] was decoded away; name[CALL_ID]id[ARGS]{json}
         cut = body.find(ARGS)
@@ -336,19 +339,20 @@ class MistralFormat:
             brace = body.find("{")
             if brace < 0:
                 hint = f"after {TOOL_CALLS} write NAME{ARGS}{{json arguments}} or a JSON list of calls"
-                found.append(ToolCallError(seg, hint))
+                found.append(MalformedToolCall(seg, hint))
                 return ""
             head, args_text = body[:brace], body[brace:]
         name, _, call_id = head.partition(CALL_ID)
         name = name.strip()
         if not name or any(ch.isspace() for ch in name):
-            found.append(ToolCallError(seg, f"after {TOOL_CALLS} write the tool's name, then {ARGS} and its JSON"))
+            found.append(MalformedToolCall(seg, f"after {TOOL_CALLS} write the tool's name, then {ARGS} and its JSON"))
             return ""
         args_text = args_text.lstrip()
         try:
             args, end = json.JSONDecoder().raw_decode(args_text)
         except (ValueError, RecursionError) as err:
-            found.append(ToolCallError(seg, f"malformed JSON in the arguments of {shown(name)}: {json_problem(err)}"))
+            problem = f"malformed JSON in the arguments of {shown(name)}: {json_problem(err)}"
+            found.append(MalformedToolCall(seg, problem))
             return ""
         found.append(_mistral_call(seg, name, args, call_id.strip() if CALL_ID in head else None))
         return args_text[end:]
@@ -369,10 +373,10 @@ DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁
 DS_EOS = "<｜end▁of▁sentence｜>"
 
 
-def _deepseek_call(raw: str) -> ToolCall | ToolCallError:
+def _deepseek_call(raw: str) -> ToolCall | MalformedToolCall:
     sep = raw.find(DS_SEP)
     if sep < 0:
-        return ToolCallError(raw, f"missing {DS_SEP} between the tool's name and its arguments")
+        return MalformedToolCall(raw, f"missing {DS_SEP} between the tool's name and its arguments")
     left, right = raw[:sep].strip(), raw[sep + len(DS_SEP) :]
     fence = right.find("```")
     if left == "function" and (fence >= 0 or "\n" in right.strip()):  # R1 / V3: function<sep>NAME\n```json\n{}\n```
@@ -383,12 +387,12 @@ def _deepseek_call(raw: str) -> ToolCall | ToolCallError:
             args_text = args_text[3:].removeprefix("json")
             close = args_text.rfind("```")
             if close < 0:
-                return ToolCallError(raw, f"unclosed ```json block in the arguments of {shown(name)}")
+                return MalformedToolCall(raw, f"unclosed ```json block in the arguments of {shown(name)}")
             args_text = args_text[:close]
     else:  # V3.1: NAME<sep>{json}
         name, args_text = left, right
     if not name:
-        return ToolCallError(raw, "a tool call needs the tool's name")
+        return MalformedToolCall(raw, "a tool call needs the tool's name")
     return _json_args(raw, name, args_text)
 
 
@@ -412,7 +416,7 @@ class DeepSeekFormat:
         text = text.rstrip().removesuffix(DS_EOS)
         opened = DS_CALLS_BEGIN in text
         text = text.replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "")
-        found: list[ToolCall | ToolCallError] = []
+        found: list[ToolCall | MalformedToolCall] = []
         prose: list[str] = []
         pos = 0
         while (start := text.find(DS_CALL_BEGIN, pos)) >= 0:  # str.find: linear, as in the hermes parser
@@ -425,11 +429,12 @@ class DeepSeekFormat:
         tail = text[pos:]
         if DS_CALL_BEGIN in tail:
             cut = tail.index(DS_CALL_BEGIN)
-            found.append(ToolCallError(tail[cut:], f"unclosed {DS_CALL_BEGIN}: the call must end with {DS_CALL_END}"))
+            problem = f"unclosed {DS_CALL_BEGIN}: the call must end with {DS_CALL_END}"
+            found.append(MalformedToolCall(tail[cut:], problem))
             tail = tail[:cut]
         prose.append(tail)
         if opened and not found:
-            found.append(ToolCallError(text, f"{DS_CALLS_BEGIN} must be followed by {DS_CALL_BEGIN}"))
+            found.append(MalformedToolCall(text, f"{DS_CALLS_BEGIN} must be followed by {DS_CALL_BEGIN}"))
         return _turn("".join(prose), found, reasoning)
 
     def write_calls(self, calls: Calls, content: str = "") -> str:
@@ -470,7 +475,7 @@ class HarmonyFormat:
     def parse(self, text: str) -> ParsedTurn:
         content: list[str] = []
         reasoning: list[str] = []
-        found: list[ToolCall | ToolCallError] = []
+        found: list[ToolCall | MalformedToolCall] = []
         pieces = _H_SPLIT.split(text)  # chunk, delimiter, chunk, ...: the group keeps the delimiters
         for i in range(0, len(pieces), 2):
             chunk, opened = pieces[i], i > 0 and pieces[i - 1] == H_START
@@ -488,14 +493,14 @@ class HarmonyFormat:
             if cut < 0:  # a header cut off before its message
                 if recipient is not None:
                     problem = f"the call to {shown(recipient)} has no {H_MESSAGE} with its arguments"
-                    found.append(ToolCallError(chunk, problem))
+                    found.append(MalformedToolCall(chunk, problem))
                 continue
             body = chunk[cut + len(H_MESSAGE) :]
             channel = next((w for w in post.replace(H_CONSTRAIN, " ").split() if not w.startswith("to=")), None)
             if recipient is not None:
                 if not recipient.startswith(_FUNCTIONS) or len(recipient) == len(_FUNCTIONS):
                     hint = f"unknown recipient {shown(recipient)}: address a tool call to=functions.TOOL_NAME"
-                    found.append(ToolCallError(chunk, hint))
+                    found.append(MalformedToolCall(chunk, hint))
                 else:
                     found.append(_json_args(chunk, recipient[len(_FUNCTIONS) :], body))
             elif channel == "analysis":
@@ -557,7 +562,7 @@ class ResponseTemplateFormat:
     `prefix` is the prompt text before the generation, as `parse_response(prefix=...)` takes it
     (default "": the parser sees the generation alone; pass the generation prompt, e.g. one
     ending in an opened `<think>`, when the chat template writes part of the reply). Any
-    exception from transformers becomes one `ToolCallError`. `write_calls` is the `writer`'s
+    exception from transformers becomes one `MalformedToolCall`. `write_calls` is the `writer`'s
     (the family `detect_family` finds).
 
     The text is fed to transformers' streaming `ResponseParser` in 512-character pieces, which
@@ -596,7 +601,7 @@ class ResponseTemplateFormat:
         try:
             return message_to_turn(self._parse_response(text))
         except Exception as err:  # transformers raises ValueError, KeyError, re errors...: all become errors
-            error = ToolCallError(text, f"could not parse the reply: {_first_line(err)}")
+            error = MalformedToolCall(text, f"could not parse the reply: {_first_line(err)}")
             return ParsedTurn(content="", errors=[error])
 
     def _parse_response(self, text: str) -> Any:
@@ -631,12 +636,12 @@ def message_to_turn(message: Any) -> ParsedTurn:
         entries = [entries]
     if not isinstance(entries, list):
         raise TypeError(f"tool_calls is a {type(entries).__name__}, not a list")
-    found: list[ToolCall | ToolCallError] = []
+    found: list[ToolCall | MalformedToolCall] = []
     for entry in entries:
         raw = json.dumps(entry, ensure_ascii=False, default=str)
         fn = entry.get("function", entry) if isinstance(entry, dict) else entry
         if not isinstance(fn, dict):
-            found.append(ToolCallError(raw, f"a tool call must be a JSON object, got {type(fn).__name__}"))
+            found.append(MalformedToolCall(raw, f"a tool call must be a JSON object, got {type(fn).__name__}"))
             continue
         args = fn["arguments"] if "arguments" in fn else fn.get("parameters")
         call_id = entry.get("id") if isinstance(entry, dict) else None

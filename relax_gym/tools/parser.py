@@ -1,6 +1,6 @@
 """Parsing `<tool_call>{json}</tool_call>` blocks (the Qwen / Hermes format), and what every format shares.
 
-Model output is untrusted text: every malformed block becomes a `ToolCallError`
+Model output is untrusted text: every malformed block becomes a `MalformedToolCall`
 the model can read in its next observation; nothing here raises. The other
 model families' formats live in `relax_gym.tools.formats` and build on the
 helpers here (`split_reasoning`, `call_from_object`, `decode_json`).
@@ -33,7 +33,10 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
-class ToolCallError:
+class MalformedToolCall:
+    """A tool-call block the model wrote that could not be parsed (a record for the next observation, not an
+    exception): the block as written and what is wrong with it."""
+
     raw: str
     message: str
 
@@ -50,7 +53,7 @@ class ParsedTurn:
 
     content: str
     calls: list[ToolCall] = field(default_factory=list)
-    errors: list[ToolCallError] = field(default_factory=list)
+    errors: list[MalformedToolCall] = field(default_factory=list)
     reasoning: str = ""
 
     @property
@@ -80,10 +83,10 @@ def decode_json(body: str) -> tuple[Any, str | None]:
         return None, json_problem(err)
 
 
-def call_from_fields(raw: str, name: Any, args: Any, call_id: Any = None) -> ToolCall | ToolCallError:
+def call_from_fields(raw: str, name: Any, args: Any, call_id: Any = None) -> ToolCall | MalformedToolCall:
     """Validates a call's name, arguments (an object, or a JSON string of one; None is {}) and id."""
     if not isinstance(name, str) or not name.strip():
-        return ToolCallError(raw, 'a tool call needs a string "name"')
+        return MalformedToolCall(raw, 'a tool call needs a string "name"')
     name = name.strip()
     if isinstance(args, str):  # some models emit arguments as a JSON-encoded string
         if not args.strip():
@@ -91,29 +94,30 @@ def call_from_fields(raw: str, name: Any, args: Any, call_id: Any = None) -> Too
         else:
             args, problem = decode_json(args)
             if problem is not None:
-                return ToolCallError(raw, f'"arguments" of {shown(name)} is a string that is not valid JSON: {problem}')
+                return MalformedToolCall(raw,
+                                         f'"arguments" of {shown(name)} is a string that is not valid JSON: {problem}')
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        return ToolCallError(raw, f'"arguments" of {shown(name)} must be an object, got {type(args).__name__}')
+        return MalformedToolCall(raw, f'"arguments" of {shown(name)} must be an object, got {type(args).__name__}')
     if call_id is not None and not isinstance(call_id, str):
         kind = type(call_id).__name__
-        return ToolCallError(raw, f'the "id" of the call to {shown(name)} must be a string, got {kind}')
+        return MalformedToolCall(raw, f'the "id" of the call to {shown(name)} must be a string, got {kind}')
     return ToolCall(name=name, arguments=args, raw=raw, id=call_id)
 
 
-def call_from_object(raw: str, obj: Any, *, with_id: bool = False) -> ToolCall | ToolCallError:
+def call_from_object(raw: str, obj: Any, *, with_id: bool = False) -> ToolCall | MalformedToolCall:
     """A call from a decoded `{"name": ..., "arguments" | "parameters": ...}` object."""
     if not isinstance(obj, dict):
-        return ToolCallError(raw, f"a tool call must be a JSON object, got {type(obj).__name__}")
+        return MalformedToolCall(raw, f"a tool call must be a JSON object, got {type(obj).__name__}")
     args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
     return call_from_fields(raw, obj.get("name"), args, obj.get("id") if with_id else None)
 
 
-def _parse_block(raw: str) -> ToolCall | ToolCallError:
+def _parse_block(raw: str) -> ToolCall | MalformedToolCall:
     obj, problem = decode_json(raw.strip())
     if problem is not None:
-        return ToolCallError(raw, f"malformed JSON in tool call: {problem}")
+        return MalformedToolCall(raw, f"malformed JSON in tool call: {problem}")
     return call_from_object(raw, obj)
 
 
@@ -146,7 +150,7 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     """
     reasoning, text = split_reasoning(text)
     calls: list[ToolCall] = []
-    errors: list[ToolCallError] = []
+    errors: list[MalformedToolCall] = []
     prose: list[str] = []
     pos = 0
     # str.find, not a lazy regex: `<tool_call>(.*?)</tool_call>` rescans the rest of the text from
@@ -162,7 +166,7 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     tail = text[pos:]
     if OPEN in tail:
         cut = tail.index(OPEN)
-        errors.append(ToolCallError(tail[cut:], f"unclosed {OPEN}: the call must end with {CLOSE}"))
+        errors.append(MalformedToolCall(tail[cut:], f"unclosed {OPEN}: the call must end with {CLOSE}"))
         tail = tail[:cut]
     prose.append(tail)
     return ParsedTurn(content="".join(prose).strip(), calls=calls, errors=errors, reasoning=reasoning)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from relax_gym.trajectory import Segment, Trajectory, encode_media, read_jsonl
+from relax_gym.trajectory import Segment, Trajectory, media_to_json, read_jsonl
 from relax_gym.viewer.assets import CSS, JS, PAGE
 
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
@@ -222,10 +222,10 @@ def _toolbar(trajs: Sequence[Trajectory], per_token: bool) -> str:
 
 def _media(item: Any, index: int) -> str:
     if isinstance(item, Image.Image):
-        return (f'<figure><img src="data:image/png;base64,{encode_media(item)["png_b64"]}" alt="image {index}">'
+        return (f'<figure><img src="data:image/png;base64,{media_to_json(item)["png_b64"]}" alt="image {index}">'
                 f"<figcaption>image {index} · {item.width}×{item.height}</figcaption></figure>")
     wave, rate = item
-    wav = encode_media(item)["wav_b64"]
+    wav = media_to_json(item)["wav_b64"]
     return (f'<figure><audio controls preload="metadata" src="data:audio/wav;base64,{wav}"></audio>'
             f"<figcaption>audio {index} · {len(wave) / rate:.2f} s · {rate} Hz</figcaption></figure>")
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from relax_gym.trainer.backends.base import MicroBatch, Sample, TrainBackend
+from relax_gym.trainer.backends.base import TrainBackend
+from relax_gym.trainer.batch import MicroBatch, Sample
 
 LR, WEIGHT_DECAY, GRAD_CLIP, TEMPERATURE = 1e-2, 0.1, 1.0, 0.8
 #: small enough that a step has several micro-batches

@@ -19,7 +19,7 @@ from relax_gym.trainer.algorithms.losses import (
     kl_penalty,
     sapo_token_loss,
 )
-from relax_gym.trainer.backends.base import LossFn, MicroBatch
+from relax_gym.trainer.batch import LossFn, MicroBatch
 
 Algorithm = Literal["grpo", "gspo", "sapo", "distill"]
 

@@ -6,62 +6,22 @@ for the inference engine, and checkpoint. Everything algorithmic lives in
 `relax_gym.trainer.algorithms` as pure functions, so torch and Megatron train
 with the same maths.
 
-Alignment: for a sequence of T tokens, per-token arrays have length T and
-position t refers to token t given tokens < t; position 0 (no context) is 0.
-This matches `Trajectory.rollout_logprobs` and `loss_mask`.
+The data itself (`Sample`, `MicroBatch`, `LossFn`, and how per-token arrays
+align) lives in `relax_gym.trainer.batch`, which the algorithms import too.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import numpy_rng_state, set_numpy_rng_state
-
-
-@dataclass
-class Sample:
-    """One trajectory as the trainer consumes it."""
-
-    token_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    advantage: float = 0.0
-    #: processor outputs for this sample's images / audio (pixel_values, image_grid_thw, input_features, ...)
-    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: filled by the loop before the update when the algorithm needs them (per token, aligned as above)
-    old_logprobs: list[float] | None = None
-    ref_logprobs: list[float] | None = None
-    teacher_logprobs: list[float] | None = None
-    #: per-token policy versions (-1 where masked), for staleness metrics
-    versions: list[int] | None = None
-
-
-@dataclass
-class MicroBatch:
-    """Right-padded [B, T] tensors for one forward/backward; `mask` is loss_mask with padding zeroed."""
-
-    logprobs: torch.Tensor  # with grad
-    entropy: torch.Tensor | None
-    mask: torch.Tensor
-    advantages: torch.Tensor  # per token (the sample's advantage broadcast over its tokens)
-    rollout_logprobs: torch.Tensor
-    old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    teacher_logprobs: torch.Tensor | None
-    #: totals over the WHOLE optimizer step (all micro-batches, all ranks), so per-micro-batch losses
-    #: normalised by them sum to the step's mean exactly, whatever the micro-batching
-    step_tokens: int
-    step_sequences: int
-
-
-#: (micro-batch) -> (loss to backpropagate, metrics summed over the step by the backend)
-LossFn = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
@@ -107,7 +67,8 @@ def check_samples(samples: Sequence[Sample], temperature: float) -> None:
         raise ValueError(f"temperature must be positive, got {temperature}")
     for i, s in enumerate(samples):
         n = len(s.token_ids)
-        fields: dict[str, Sequence[Any]] = {"loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs}
+        fields: dict[str, Sequence[Any] | torch.Tensor] = {"loss_mask": s.loss_mask,
+                                                           "rollout_logprobs": s.rollout_logprobs}
         fields |= {f: getattr(s, f) for f in OPTIONAL_PER_TOKEN if getattr(s, f) is not None}
         if n == 0 or any(len(v) != n for v in fields.values()):
             lengths = {k: len(v) for k, v in fields.items()}
@@ -119,9 +80,10 @@ def check_samples(samples: Sequence[Sample], temperature: float) -> None:
             raise ValueError(f"{f} is set on some samples and not others")
 
 
-def pad_rows(rows: Sequence[Sequence[float]], width: int, *, dtype: torch.dtype = torch.float32,
+def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str | None = None) -> torch.Tensor:
-    """Per-token rows right-padded with 0 to [len(rows), width]; built on the CPU and moved once."""
+    """Per-token rows (lists or 1-D tensors) right-padded with 0 to [len(rows), width]; built on the CPU and moved
+    once."""
     out = torch.zeros(len(rows), width, dtype=dtype)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
@@ -134,7 +96,7 @@ def build_micro_batch(samples: Sequence[Sample], logprobs: torch.Tensor, entropy
     be 0 at padding already: the samples' per-token fields right-padded with 0 to T, on the logprobs' device."""
     width, device = logprobs.size(1), logprobs.device
 
-    def padded(rows: Sequence[Sequence[float]]) -> torch.Tensor:
+    def padded(rows: Sequence[Sequence[float] | torch.Tensor]) -> torch.Tensor:
         return pad_rows(rows, width, device=device)
 
     def optional(name: str) -> torch.Tensor | None:  # `check_samples` made it all-or-none over the step

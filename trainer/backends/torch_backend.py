@@ -29,15 +29,13 @@ from transformers import set_seed
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
-    LossFn,
-    MicroBatch,
-    Sample,
     build_micro_batch,
     check_samples,
     rng_states,
     set_rng_states,
 )
 from relax_gym.trainer.backends.hf_folder import load_hf_weights, save_hf_folder
+from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import safe_load, safe_save
 
 #: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra

@@ -62,9 +62,6 @@ from transformers import (
 from relax_gym.models import TINY_MODELS, LoadedModel, load_model
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
-    LossFn,
-    MicroBatch,
-    Sample,
     build_micro_batch,
     check_samples,
     pad_rows,
@@ -74,6 +71,7 @@ from relax_gym.trainer.backends.base import (
 from relax_gym.trainer.backends.hf_folder import save_hf_folder
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
+from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import check_saved, safe_load
 
 ModelSource = str | Path | LoadedModel | PreTrainedModel
@@ -82,10 +80,12 @@ ModelSource = str | Path | LoadedModel | PreTrainedModel
 CHECKPOINT_FORMAT = 2
 
 
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool
+def vocab_parallel_token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token `log_softmax(logits / T)` of the next token (+ entropy) from vocab-parallel logits.
+    """Per-token `log_softmax(logits / T)` of the next token (+ entropy) from vocab-parallel logits: the
+    tensor-parallel counterpart of the torch backend's `token_logprobs`, with its arguments (bar `chunk_rows`)
+    and alignment.
 
     `logits` is [B, S, V/tp] (this rank's vocabulary slice), `input_ids` [B, S].
     Returns [B, S] tensors aligned as the contract says: position t scores token
@@ -470,7 +470,8 @@ class MegatronBackend:
     def _collect(self, batch: _Batch, logits: torch.Tensor, non_loss_data: bool = True, *, temperature: float,
                  with_entropy: bool) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """forward-only reduction: each sample's unpadded logprobs (+ entropy) as CPU fp32."""
-        logprobs, entropy = token_logprobs(logits, batch.input_ids, temperature, with_entropy)
+        logprobs, entropy = vocab_parallel_token_logprobs(logits, batch.input_ids, temperature,
+                                                           with_entropy=with_entropy)
         return [
             (i, logprobs[row, :n].float().cpu(), None if entropy is None else entropy[row, :n].float().cpu())
             for row, (i, n) in enumerate(zip(batch.indices, batch.lengths, strict=True))
@@ -479,7 +480,7 @@ class MegatronBackend:
     def _loss(self, batch: _Batch, logits: torch.Tensor, *, samples: Sequence[Sample], loss_fn: LossFn,
               temperature: float, totals: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Training reduction: `loss_fn` on the contract's MicroBatch, returned unscaled (token count 0)."""
-        logprobs, entropy = token_logprobs(logits, batch.input_ids, temperature, with_entropy=True)
+        logprobs, entropy = vocab_parallel_token_logprobs(logits, batch.input_ids, temperature, with_entropy=True)
         unscaled = torch.zeros((), dtype=torch.int, device=self.device)
         if batch.empty:
             return logprobs.sum() * 0.0, unscaled, {"loss": 0.0}

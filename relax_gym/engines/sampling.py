@@ -1,0 +1,69 @@
+"""The embedded engine's sampler: per-row temperature, top-k / top-p and seeded draws over a batch of logits,
+and each chosen token's logprob.
+
+Pure torch, no model: `RowSampler` is built once per batch from the rows' `SamplingParams` and maps raw
+last-position logits to (tokens, logprobs). Top-k / top-p and never-sampled tokens shape only the choice;
+the logprob is always log softmax(raw / T) over the full vocabulary (T = 1 for greedy rows), which is what
+the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from relax_gym.engines.base import SamplingParams
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks to -inf what top-k (0 = off) and top-p drop, per row; both masks act on the full
+    distribution, as SGLang's sampler does. The most likely token always survives."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    return torch.full_like(logits, -torch.inf).scatter(1, order, ordered.masked_fill(drop, -torch.inf))
+
+
+class RowSampler:
+    """Samples one token per row under that row's own params.
+
+    Rows with a `seed` draw from their own generator (seeded once, here), whatever else is in the batch;
+    the others share `generator`. Tokens in `never` are not sampled (nor picked greedily).
+    """
+
+    def __init__(self, params: Sequence[SamplingParams], *, device: torch.device, generator: torch.Generator,
+                 never: Sequence[int] = ()) -> None:
+        def tensor(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.temperature = tensor([p.temperature for p in params], torch.float32)
+        self.greedy = self.temperature == 0
+        self.top_k = tensor([p.top_k for p in params], torch.long)
+        self.top_p = tensor([p.top_p for p in params], torch.float32)
+        self.all_greedy = all(p.temperature == 0 for p in params)
+        self.truncates = any(p.top_k > 0 or p.top_p < 1 for p in params if p.temperature > 0)
+        self.generator = generator
+        self.row_generators = [
+            None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params
+        ]
+        self.seeded = [i for i, g in enumerate(self.row_generators) if g is not None]
+        self.never = torch.tensor(never, dtype=torch.long, device=device) if never else None
+
+    def sample(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and its log p under softmax(raw / T) (T = 1 for greedy), untruncated."""
+        temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
+        allowed = raw if self.never is None else raw.index_fill(1, self.never, -torch.inf)
+        tokens = allowed.argmax(dim=-1)
+        if not self.all_greedy:
+            choice = allowed / temperature
+            kept = top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
+            probs = kept.softmax(dim=-1)
+            drawn = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            for i in self.seeded:
+                drawn[i] = torch.multinomial(probs[i], 1, generator=self.row_generators[i])[0]
+            tokens = torch.where(self.greedy, tokens, drawn)
+        logprobs = (raw / temperature).log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs
