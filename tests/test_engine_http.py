@@ -33,6 +33,7 @@ from relax_gym.engines import (
     launch_sglang_server,
 )
 from relax_gym.engines.base import API_KEY_ENV, EngineUnavailableError
+from relax_gym.engines.embedded import MAX_BATCH_SIZE
 from relax_gym.engines.sglang import backoff_delay, png_data_url, wav_data_url
 from relax_gym.models import LoadedModel, load_model, save_model
 
@@ -302,7 +303,7 @@ def test_pause_continue_health_and_info(servers):
     assert len(asyncio.run(_with_client(url, use)).output_ids) == GREEDY.max_new_tokens
     assert get(f"{url}/health_generate", timeout=30).status_code == 200
     info = get(f"{url}/get_server_info", timeout=30).json()
-    assert info["backend"].startswith("relax_gym embedded") and info["max_batch_size"] == 32
+    assert info["backend"].startswith("relax_gym embedded") and info["max_batch_size"] == MAX_BATCH_SIZE
     assert get(f"{servers['tiny-vl']}/get_model_info", timeout=30).json()["has_image_understanding"]
 
 

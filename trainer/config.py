@@ -15,8 +15,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from relax_gym.engines.base import SamplingParams
+from relax_gym.engines.embedded import MAX_BATCH_SIZE
+from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
-from relax_gym.rollout.manager import RolloutLimits
+from relax_gym.rollout.manager import MAX_CONCURRENCY, RolloutLimits
 from relax_gym.trainer.algorithms import AlgorithmConfig
 
 
@@ -63,7 +65,7 @@ class RolloutConfig(_Strict):
     engine: Literal["embedded", "sglang"] = "embedded"
     engine_url: str | None = None
     #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
-    engine_outage_timeout_s: float = Field(120.0, gt=0)
+    engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0)
     group_size: int = Field(8, ge=1)
     groups_per_step: int = Field(8, ge=1)
     #: 0 = greedy, for `relax-gym rollout` only: training takes logprobs at this temperature, so needs > 0
@@ -75,10 +77,10 @@ class RolloutConfig(_Strict):
     #: kwarg) is the task's rule. Whichever is reached first ends the episode as `truncated`
     max_turns: int = Field(RolloutLimits.max_turns, ge=1)
     max_total_tokens: int = Field(RolloutLimits.max_total_tokens, ge=16)
-    concurrency: int = Field(256, ge=1)
+    concurrency: int = Field(MAX_CONCURRENCY, ge=1)
     episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0)
     #: batch size of the embedded engine; 1 makes generation independent of request timing
-    engine_max_batch_size: int = Field(64, ge=1)
+    engine_max_batch_size: int = Field(MAX_BATCH_SIZE, ge=1)
 
     @model_validator(mode="after")
     def _engine_named(self) -> RolloutConfig:

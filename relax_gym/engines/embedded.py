@@ -62,6 +62,9 @@ from relax_gym.engines.base import (
 from relax_gym.engines.sampling import RowSampler
 from relax_gym.models import LoadedModel, encode_media
 
+#: requests decoded together by default (`rollout.engine_max_batch_size` reads it here)
+MAX_BATCH_SIZE = 64
+
 # Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids"})
 
@@ -185,7 +188,7 @@ class EmbeddedEngine:
         self,
         loaded: LoadedModel,
         *,
-        max_batch_size: int = 32,
+        max_batch_size: int = MAX_BATCH_SIZE,
         seed: int = 0,
         batch_window_s: float = 0.005,
     ) -> None:

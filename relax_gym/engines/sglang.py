@@ -59,6 +59,8 @@ logger = logging.getLogger("relax_gym.engines")
 
 #: answers from a server (or its proxy) that is down or restarting, not a verdict on the request
 OUTAGE_STATUSES = frozenset({502, 503, 504})
+#: seconds an unreachable server is waited for by default (`rollout.engine_outage_timeout_s` reads it here)
+OUTAGE_TIMEOUT_S = 120.0
 
 
 def backoff_delay(attempt: int, first_s: float = 0.5, cap_s: float = 5.0) -> float:
@@ -108,7 +110,7 @@ class SGLangEngine:
         base_url: str,
         *,
         timeout_s: float = 600.0,
-        outage_timeout_s: float = 120.0,
+        outage_timeout_s: float = OUTAGE_TIMEOUT_S,
         backoff_s: float = 0.5,
         max_backoff_s: float = 5.0,
         retries: int | None = None,

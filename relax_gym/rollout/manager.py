@@ -43,6 +43,8 @@ def settle_heap() -> None:
 
 #: the start of an aborted episode's reason when its engine stayed unreachable past the client's outage timeout
 ENGINE_UNAVAILABLE = "engine unavailable"
+#: episodes run at once by default (`rollout.concurrency` reads it here)
+MAX_CONCURRENCY = 256
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class RolloutManager:
         *,
         sampling: SamplingParams | None = None,
         limits: RolloutLimits | None = None,
-        max_concurrency: int = 256,
+        max_concurrency: int = MAX_CONCURRENCY,
         sampling_seed: int | None = None,
     ):
         self.engine = engine
