@@ -36,8 +36,6 @@ from relax_gym.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
 # Qwen3-VL patches are 16 px, merged 2x2: one image token per 32x32 px. Bounding the area to 4..64
 # tokens keeps any image (a 896x672 one included) to at most 256 patches.
 VL_PATCH, VL_MERGE = 16, 2
-VL_MIN_PIXELS = 4 * (VL_PATCH * VL_MERGE) ** 2
-VL_MAX_PIXELS = 64 * (VL_PATCH * VL_MERGE) ** 2
 # 32 mel bins over 2 s chunks at 16 kHz: 200 frames, i.e. 25 audio tokens per second, 50 per chunk.
 AUDIO_MEL_BINS, AUDIO_CHUNK_S = 32, 2
 
@@ -54,7 +52,7 @@ _TEXT: dict[str, Any] = {
 
 
 @contextmanager
-def _seeded(seed: int) -> Iterator[None]:
+def seeded(seed: int) -> Iterator[None]:
     """Seeds weight init without disturbing the caller's global RNG stream."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -100,6 +98,20 @@ def without_video(processor_cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
     )
 
 
+def vl_image_processor(patch: int, merge: int) -> Qwen2VLImageProcessorPil:
+    """The PIL image processor of the tiny Qwen-VL models: 4..64 merged patches per image, mean/std 0.5."""
+    area = (patch * merge) ** 2
+    return Qwen2VLImageProcessorPil(
+        patch_size=patch,
+        merge_size=merge,
+        temporal_patch_size=2,
+        min_pixels=4 * area,
+        max_pixels=64 * area,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+
+
 def build_tiny_text(seed: int = 0) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
     """Qwen3ForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, tied embeddings (as Qwen3-0.6B)."""
     tokenizer = build_tokenizer()
@@ -110,7 +122,7 @@ def build_tiny_text(seed: int = 0) -> tuple[Qwen3ForCausalLM, PreTrainedTokenize
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = Qwen3ForCausalLM(config)
     return _finish(model, tokenizer), tokenizer
 
@@ -151,17 +163,9 @@ def build_tiny_vl(seed: int = 0) -> tuple[Qwen3VLForConditionalGeneration, Proce
         vision_start_token_id=start,
         vision_end_token_id=end,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = Qwen3VLForConditionalGeneration(config)
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=VL_PATCH,
-        merge_size=VL_MERGE,
-        temporal_patch_size=2,
-        min_pixels=VL_MIN_PIXELS,
-        max_pixels=VL_MAX_PIXELS,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
+    image_processor = vl_image_processor(VL_PATCH, VL_MERGE)
     processor = without_video(Qwen3VLProcessor)(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
     )
@@ -185,7 +189,7 @@ def build_tiny_audio(seed: int = 0) -> tuple[Qwen2AudioForConditionalGeneration,
         text_config={"model_type": "qwen2", **_TEXT, **_special_ids(tokenizer)},
         audio_token_index=_token_ids(tokenizer, ["<|AUDIO|>"])[0],
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = Qwen2AudioForConditionalGeneration(config)
     processor = Qwen2AudioProcessor(
         feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE

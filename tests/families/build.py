@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer
 from transformers import (
     Gemma3ForCausalLM,
@@ -32,12 +31,12 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen2VLImageProcessorPil,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
 from relax_gym.models import LoadedModel, build_tiny_vl, without_video
+from relax_gym.models.tiny import seeded, vl_image_processor
 from relax_gym.models.tokenizer import MARKUP_TOKENS, QWEN_SPLIT, SPECIAL_TOKENS, train_bpe
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -59,8 +58,6 @@ TEXT = {
 HEAD_DIM = 16
 # Qwen2.5-VL: 14 px patches merged 2x2, one image token per 28x28 px; 4..64 tokens an image.
 VL25_PATCH, VL25_MERGE = 14, 2
-VL25_MIN_PIXELS = 4 * (VL25_PATCH * VL25_MERGE) ** 2
-VL25_MAX_PIXELS = 64 * (VL25_PATCH * VL25_MERGE) ** 2
 
 
 @dataclass(frozen=True)
@@ -205,8 +202,7 @@ def _ids(tok: PreTrainedTokenizerFast) -> dict[str, Any]:
 
 
 def _seeded_model(cls: type[PreTrainedModel], config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return cls(config)
 
 
@@ -302,15 +298,7 @@ def build_qwen25_vl(name: str, stop_tokens: tuple[str, ...]) -> LoadedModel:
         tie_word_embeddings=True,
     )
     model = _finish(_seeded_model(Qwen2_5_VLForConditionalGeneration, config), tok, stop_tokens)
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=VL25_PATCH,
-        merge_size=VL25_MERGE,
-        temporal_patch_size=2,
-        min_pixels=VL25_MIN_PIXELS,
-        max_pixels=VL25_MAX_PIXELS,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-    )
+    image_processor = vl_image_processor(VL25_PATCH, VL25_MERGE)
     processor = without_video(Qwen2_5_VLProcessor)(
         image_processor=image_processor, tokenizer=tok, chat_template=template(name)
     )
