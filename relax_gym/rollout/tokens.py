@@ -34,12 +34,13 @@ from relax_gym.models.template_traits import (
     NEXT,
     TemplateError,
     TemplateTraits,
+    after_mark,
     common_prefix,
     template_traits,
 )
 from relax_gym.trajectory import Segment
 
-__all__ = ["ConversationTokens", "TemplateError"]
+__all__ = ["ConversationTokens", "TemplateError", "first_difference"]
 
 
 def _media_of(messages: list[Message]) -> list[Any]:
@@ -83,6 +84,8 @@ class ConversationTokens:
     traits: TemplateTraits | None = None
     #: whether the last policy turn ended on a stop token (which then stands for the template's end token)
     _ended_by_stop: bool = True
+    #: the template refused a marker turn without tool calls before tool results (see `_delta`)
+    _stand_in_calls: bool = False
 
     @classmethod
     def start(cls, loaded: LoadedModel, messages: list[Message], tools: list[dict[str, Any]] | None = None):
@@ -174,18 +177,21 @@ class ConversationTokens:
         text after the turn does not depend on them. Only if the template refuses
         that does the marker turn carry calls matching the tool results.
         """
-        try:
-            return self._delta_after(self._stand_in(), new_messages)
-        except ValueError:
-            if not any(m["role"] == "tool" for m in new_messages):
-                raise
-            return self._delta_after(self._stand_in(new_messages), new_messages)
+        answers_calls = any(m["role"] == "tool" for m in new_messages)
+        if not (answers_calls and self._stand_in_calls):
+            try:
+                return self._delta_after(self._stand_in(), new_messages)
+            except ValueError:
+                if not answers_calls:
+                    raise
+                self._stand_in_calls = True  # this template wants them: later tool turns go straight there
+        return self._delta_after(self._stand_in(new_messages), new_messages)
 
     def _delta_after(self, stand_in: list[Message], new_messages: list[Message]) -> tuple[str, str]:
         assert self.traits is not None
         rendered = chat_text(self.loaded, stand_in + new_messages, tools=self.tools, add_generation_prompt=True)
         if not new_messages:
-            after = rendered.split(MARK, 1)[1] if rendered.count(MARK) == 1 else ""
+            after = after_mark(rendered, "closing a turn the env does not answer")
             found = _first_of(after, self.traits.end_tokens)
             if found is None:
                 raise TemplateError(f"the chat template ends an assistant turn with none of the end tokens "
@@ -243,6 +249,10 @@ class ConversationTokens:
         last = self.segments[-1] if self.segments[-1].kind == "policy" else None
         return (self.messages[:-1] if last is not None else self.messages), last
 
+    def rewrites_history(self) -> bool:
+        """Whether the template rewrites earlier turns: a full re-render differs from this sequence by design."""
+        return self.traits is not None and self.traits.rewrites_history is not None
+
     def rerendered_ids(self) -> list[int]:
         """The token ids a full re-render gives (plus the final policy turn's own tokens)."""
         history, last = self._history()
@@ -257,7 +267,7 @@ class ConversationTokens:
         do not matter for training, which uses the exact tokens. `template_diff`
         separates template problems from them.
         """
-        return _first_difference(self.token_ids, self.rerendered_ids())
+        return first_difference(self.token_ids, self.rerendered_ids())
 
     def template_diff(self) -> int | None:
         """First character where the decoded sequence and a full re-render's text differ, or None.
@@ -276,7 +286,7 @@ class ConversationTokens:
         ours = self.loaded.decode(self.token_ids)
         for pad in _placeholders(self.loaded):
             ours = re.sub(f"(?:{re.escape(pad)})+", _literal(pad), ours)
-        return _first_difference(ours, full)
+        return first_difference(ours, full)
 
 
 def _placeholders(loaded: LoadedModel) -> list[str]:
@@ -291,7 +301,8 @@ def _literal(replacement: str) -> Callable[[re.Match[str]], str]:
     return lambda _match: replacement
 
 
-def _first_difference(a: Any, b: Any) -> int | None:
+def first_difference(a: Any, b: Any) -> int | None:
+    """The first index where `a` and `b` differ (one being a prefix of the other: its length), or None."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i

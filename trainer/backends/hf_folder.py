@@ -1,8 +1,9 @@
-"""A checkpoint's Hugging Face model files: how a backend writes them and reads its weights back exactly.
+"""Reading a checkpoint's weights back exactly from its Hugging Face model files.
 
 Every `step_N/` folder is a model folder that `from_pretrained` loads: config,
 generation config, weights as `save_pretrained` writes them, and the
-tokenizer or processor with its chat template. Some models' saved names are
+tokenizer or processor with its chat template (`relax_gym.models.save_model`
+writes them). Some models' saved names are
 not their in-memory names (`save_pretrained` reverts Qwen2-Audio's
 `model.audio_tower.*` to the original `audio_tower.*` layout), so resuming
 reads the weights back through transformers' own loading path, which applies
@@ -15,23 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from transformers import PreTrainedModel
 
 from relax_gym.models.loading import quiet_progress
-
-
-def save_hf_folder(folder: Path, model: PreTrainedModel, files: Any | None,
-                   state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """`model.save_pretrained(folder)` (with `state_dict` as its weights when given) and `files.save_pretrained`.
-
-    `files` is the tokenizer, or the processor of a VL / audio model (which saves
-    its tokenizer and chat template too); None writes the model alone.
-    """
-    with quiet_progress():
-        model.save_pretrained(folder, state_dict=state_dict)
-        if files is not None:
-            files.save_pretrained(folder)
 
 
 def load_hf_weights(model: PreTrainedModel, folder: Path) -> None:

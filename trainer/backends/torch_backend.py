@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
+from relax_gym.models.loading import save_model
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     build_micro_batch,
@@ -34,7 +35,7 @@ from relax_gym.trainer.backends.base import (
     rng_states,
     set_rng_states,
 )
-from relax_gym.trainer.backends.hf_folder import load_hf_weights, save_hf_folder
+from relax_gym.trainer.backends.hf_folder import load_hf_weights
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import safe_load, safe_save
 
@@ -343,7 +344,7 @@ class TorchBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_hf_folder(path, self.model, self.loaded.processor or self.loaded.tokenizer)
+        save_model(self.loaded, path)
         safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
         safe_save({"version": self.version, "extra": extra, "rng": rng_states()}, path / _STATE_FILE)
 

@@ -60,6 +60,7 @@ from transformers import (
 )
 
 from relax_gym.models import TINY_MODELS, LoadedModel, load_model
+from relax_gym.models.loading import save_pretrained_folder
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     build_micro_batch,
@@ -68,7 +69,6 @@ from relax_gym.trainer.backends.base import (
     rng_states,
     set_rng_states,
 )
-from relax_gym.trainer.backends.hf_folder import save_hf_folder
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
@@ -375,7 +375,7 @@ class MegatronBackend:
             shell = AutoModelForCausalLM.from_config(self.bridge.hf_config, dtype=dtype)
         if self._hf_files.generation_config is not None:
             shell.generation_config = self._hf_files.generation_config
-        save_hf_folder(path, shell, self._hf_files.tokenizer, state_dict=weights)
+        save_pretrained_folder(path, shell, self._hf_files.tokenizer, state_dict=weights)
 
     @compat.on_cpu
     @torch.no_grad()  # fp32 main params are views of the (grad-requiring) model params; loading writes them
