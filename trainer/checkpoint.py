@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_gym.errors import StartupError
+from relax_gym.models.loading import read_pointer
 from relax_gym.trainer.backends.base import TrainBackend
 from relax_gym.trainer.safe_load import UnsafeCheckpointError
 
@@ -43,12 +44,17 @@ def write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
 
 
+def read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """`folder`'s manifest entries (file -> bytes, sha256); raises OSError, ValueError, KeyError or TypeError."""
+    return json.loads((folder / MANIFEST).read_text())["files"]
+
+
 def manifest_problem(folder: Path) -> str | None:
     """Why `folder` is not the checkpoint its manifest describes, or None when every file matches."""
     if not folder.is_dir():
         return "the folder is missing"
     try:
-        entries = json.loads((folder / MANIFEST).read_text())["files"]
+        entries = read_manifest(folder)
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"no readable {MANIFEST} ({type(err).__name__})"
     for name, want in entries.items():
@@ -83,11 +89,11 @@ class CheckpointManager:
         pointer = self.root / "latest"
         if not pointer.is_file():
             return None
-        text = pointer.read_text(errors="replace").strip()
-        if not text.isdigit():
-            log.warning("%s holds %r, not a step number: ignoring it", pointer, text[:40])
+        number = read_pointer(pointer)
+        if isinstance(number, str):
+            log.warning("%s holds %r, not a step number: ignoring it", pointer, number[:40])
             return None
-        return int(text)
+        return number
 
     def latest_step(self) -> int:
         """The newest step saved (the pointer, else the newest folder); 0 when there is none."""

@@ -12,14 +12,13 @@ a damaged checkpoint never becomes a model folder that looks fine.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from relax_gym.errors import StartupError
 from relax_gym.models.loading import resolve_checkpoint
-from relax_gym.trainer.checkpoint import MANIFEST
+from relax_gym.trainer.checkpoint import MANIFEST, CheckpointManager, read_manifest
 
 #: suffixes of a step folder's training state, which a model folder leaves out (both backends write only .pt)
 TRAINING_STATE_SUFFIXES = (".pt",)
@@ -51,7 +50,7 @@ def step_folder(run: Path, step: int | None) -> Path:
     checkpoints = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     folder = checkpoints / f"step_{step}"
     if not folder.is_dir():
-        steps = sorted(int(p.name[5:]) for p in checkpoints.glob("step_*") if p.name[5:].isdigit())
+        steps = CheckpointManager(checkpoints).steps()
         raise ExportError(f"{folder} is missing; {checkpoints} holds steps {steps or 'none'}")
     return folder
 
@@ -69,7 +68,7 @@ def export_checkpoint(run: str | Path, destination: str | Path, step: int | None
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise ExportError(f"{destination} exists and is not an empty folder; export into a new or empty one")
     try:
-        manifest = json.loads((source / MANIFEST).read_text())["files"]
+        manifest = read_manifest(source)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ExportError(f"{source}: no readable {MANIFEST} ({type(err).__name__}), so its files cannot be "
                           "verified; is it a relax-gym checkpoint?") from None

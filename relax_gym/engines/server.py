@@ -17,7 +17,7 @@ share one served model. What differs from SGLang, by necessity:
 - `weight_version` is a string of the engine's integer version, as SGLang's is a
   string; here it only goes up (an update with an older version is refused).
 
-What it guards against (see `server_guard` for the limits and their defaults):
+What it guards against (limits and defaults: `server_limits.ServerLimits`; transport: `server_guard`):
 every route but health and model info needs the API key as a bearer token; a
 request is refused with a 4xx naming its field before it costs the server
 more than its body (a prompt or `max_new_tokens` past the context, media past

@@ -100,7 +100,7 @@ class GuardedH11Protocol(H11Protocol):
     connection arrive; disarmed once h11 has seen the request's end. If it fires first, the
     connection is closed (a request already being handled sees a disconnect)."""
 
-    read_timeout_s: float = 30.0
+    read_timeout_s: float  # set by `protocol_class` from `ServerLimits.read_timeout_s`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -126,15 +126,21 @@ def resolve_checkpoint(name_or_path: str) -> str:
     else:
         return name_or_path
     try:
-        text = pointer.read_text(errors="replace").strip()
+        number = read_pointer(pointer)
     except OSError as err:
         raise ModelLoadError(f"checkpoint pointer {pointer}: cannot read it: {err.strerror or err}") from None
-    if not text.isdigit():
-        raise ModelLoadError(f"checkpoint pointer {pointer} holds {text[:40]!r}, not a step number")
-    step = pointer.parent / f"step_{int(text)}"
+    if isinstance(number, str):
+        raise ModelLoadError(f"checkpoint pointer {pointer} holds {number[:40]!r}, not a step number")
+    step = pointer.parent / f"step_{number}"
     if not step.is_dir():
-        raise ModelLoadError(f"checkpoint pointer {pointer} names step {int(text)}, but {step} is missing")
+        raise ModelLoadError(f"checkpoint pointer {pointer} names step {number}, but {step} is missing")
     return str(step)
+
+
+def read_pointer(pointer: Path) -> int | str:
+    """The step number a run's `latest` file holds, or its text when that is not a number (callers decide)."""
+    text = pointer.read_text(errors="replace").strip()
+    return int(text) if text.isdigit() else text
 
 
 def load_model(
