@@ -43,6 +43,7 @@ from relax_gym.registration import (
     spec,
     split_env_target,
 )
+from relax_gym.tools.formats import HERMES, ToolCallFormat
 
 N_SEEDS = 3
 RANDOM_EPISODES = 4
@@ -233,9 +234,9 @@ def check_tools(make_env: Callable[[], Env]) -> str:
     return f"{len(names)} tools"
 
 
-def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """An action calling one tool, in the `<tool_call>` format relax_gym parses."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+def tool_call(name: str, arguments: dict[str, Any], tool_format: ToolCallFormat = HERMES) -> str:
+    """An action calling one tool, in `tool_format` (an env's `tool_format`; Hermes `<tool_call>` by default)."""
+    return tool_format.write_calls([(name, arguments)])
 
 
 def scripted_actions(env: Env) -> list[str]:
@@ -327,7 +328,8 @@ def synthesised_tool_calls(make_env: Callable[[], Env]) -> list[str]:
             if not isinstance(fn.get("name"), str):
                 continue
             for attempt in range(TOOL_ATTEMPTS):
-                action = tool_call(fn["name"], _arguments(fn.get("parameters") or {}, attempt))
+                action = tool_call(fn["name"], _arguments(fn.get("parameters") or {}, attempt),
+                                   getattr(env, "tool_format", HERMES))
                 _, info = env.reset(seed=STATE_SEED)
                 obs, *_, step_info = env.step(action)
                 if _reached_tool(info, step_info, env.format_observation(obs), [fn["name"]]):

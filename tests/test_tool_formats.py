@@ -31,7 +31,7 @@ from relax_gym.tools import (
     parse_tool_calls,
     tool_format_for,
 )
-from relax_gym.tools.formats import mistral_call_id
+from relax_gym.tools.formats import make_call_id
 
 ALL_FORMATS: list[ToolCallFormat] = [
     *TOOL_FORMATS.values(),
@@ -174,7 +174,7 @@ def test_mistral_v3_lists_with_ids_and_v11_calls() -> None:
     trailing = fmt.parse(no_id)
     assert trailing.content == "extra words"
     # v3 templates need an id on every call: one written without gets a deterministic one, as vLLM gives one
-    assert trailing.calls[0].id == mistral_call_id(0, "add", {}) and trailing.calls[0].id.isalnum()
+    assert trailing.calls[0].id == make_call_id(0, "add", {}) and trailing.calls[0].id.isalnum()
     assert MistralFormat(style="v11").parse(no_id).calls[0].id is None
 
 
@@ -525,7 +525,7 @@ def test_tool_env_gives_every_tool_message_an_id_when_the_format_needs_them() ->
     assert [m["name"] for m in obs] == ["tool_call_parser", "value", "tool_call_limit"]
     ids = [m["tool_call_id"] for m in obs]
     assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 3
-    assert ids[1] == mistral_call_id(0, "value", {"key": "a"})  # the id the parsed call was given
+    assert ids[1] == make_call_id(0, "value", {"key": "a"})  # the id the parsed call was given
     for fmt in ("hermes", MistralFormat(style="v11")):
         env = Lookup(tool_format=fmt)
         env.reset(seed=0)

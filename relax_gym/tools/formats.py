@@ -258,11 +258,6 @@ def make_call_id(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, ensure_ascii=False, default=str).encode()).hexdigest()[:9]
 
 
-def mistral_call_id(index: int, name: str, arguments: dict[str, Any]) -> str:
-    """The id `MistralFormat` writes for (and gives to a parsed v3 call without one) the `index`-th call."""
-    return make_call_id(index, name, arguments)
-
-
 def _mistral_call(raw: str, name: Any, args: Any, call_id: Any) -> ToolCall | MalformedToolCall:
     if call_id is not None and not (isinstance(call_id, str) and len(call_id) == 9 and call_id.isascii()
                                     and call_id.isalnum()):
@@ -305,7 +300,7 @@ class MistralFormat:
             prose.append(self._segment(seg, found))
         if self.style == "v3":  # v3 templates want an id on every call and tool result: give one where none was written
             found = [
-                replace(c, id=mistral_call_id(i, c.name, c.arguments)) if isinstance(c, ToolCall) and not c.id else c
+                replace(c, id=make_call_id(i, c.name, c.arguments)) if isinstance(c, ToolCall) and not c.id else c
                 for i, c in enumerate(found)
             ]
         return _turn("".join(prose), found, reasoning)
@@ -362,7 +357,7 @@ class MistralFormat:
             return content
         if self.style == "v11":
             return content + "".join(f"{TOOL_CALLS}{n}{ARGS}{_dumps(a)}" for n, a in calls)
-        listed = [{"name": n, "arguments": a, "id": mistral_call_id(i, n, a)} for i, (n, a) in enumerate(calls)]
+        listed = [{"name": n, "arguments": a, "id": make_call_id(i, n, a)} for i, (n, a) in enumerate(calls)]
         return f"{content}{TOOL_CALLS} {_dumps(listed)}"
 
 

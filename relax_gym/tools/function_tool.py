@@ -22,7 +22,7 @@ from transformers.utils import get_json_schema
 
 from relax_gym.core import TOOL_MARK
 from relax_gym.messages import Part, audio, image, text, validate_part
-from relax_gym.tools.parser import ToolCall
+from relax_gym.tools.parser import ToolCall, shown
 
 CONCURRENT_MARK = "__relax_gym_tool_concurrent__"
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -150,8 +150,8 @@ class ToolSet:
         if found is None:
             close = difflib.get_close_matches(call.name, list(self.tools), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            shown = call.name if len(call.name) <= 80 else call.name[:80] + "..."  # the name is model output
-            return _error(f"unknown tool {shown!r}.{hint} Available tools: {', '.join(self.tools) or 'none'}")
+            tools = ", ".join(self.tools) or "none"
+            return _error(f"unknown tool {shown(call.name, 83)}.{hint} Available tools: {tools}")
         return found(**call.arguments)
 
     def concurrent(self, call: ToolCall) -> bool:
