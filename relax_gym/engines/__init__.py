@@ -1,4 +1,5 @@
 """Inference engines: one async protocol (`Engine`), an embedded transformers engine, an SGLang client,
+a router that makes several engines look like one,
 and a scripted engine that replays hand-written replies (to test an env without a model).
 
 Implementations import lazily, so `from relax_gym.engines import Engine` costs no
@@ -14,6 +15,8 @@ from relax_gym.engines.base import (
     API_KEY_ENV,
     Engine,
     EngineError,
+    EngineGoneError,
+    EngineUnavailableError,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
@@ -34,6 +37,7 @@ _LAZY = {
     "ScriptedTurn": "relax_gym.engines.scripted",
     "EngineSettings": "relax_gym.engines.factory",
     "make_engine": "relax_gym.engines.factory",
+    "EngineRouter": "relax_gym.engines.router",
 }
 
 __all__ = [
@@ -41,7 +45,10 @@ __all__ = [
     "EmbeddedEngine",
     "Engine",
     "EngineError",
+    "EngineGoneError",
+    "EngineRouter",
     "EngineSettings",
+    "EngineUnavailableError",
     "FinishReason",
     "GenerateOutput",
     "GenerateRequest",

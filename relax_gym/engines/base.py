@@ -39,6 +39,10 @@ class EngineUnavailableError(EngineError):
     """The server stayed unreachable (or 502/503/504) for the whole outage budget: an outage, not a bad answer."""
 
 
+class EngineGoneError(EngineUnavailableError):
+    """The engine's process is gone (killed, crashed, removed): another engine may take the request."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Its defaults are also `rollout.*`'s (`RolloutConfig` reads them here)."""

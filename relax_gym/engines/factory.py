@@ -1,4 +1,4 @@
-"""`make_engine`: the engine a run's settings name (an SGLang client or the embedded engine).
+"""`make_engine`: the engine a run's settings name (an SGLang client, a router over several, or the embedded engine).
 
 It takes the settings as a small protocol (`EngineSettings`, which the training config's `rollout:`
 section satisfies), so building an engine needs nothing from the trainer package.
@@ -6,9 +6,16 @@ section satisfies), so building an engine needs nothing from the trainer package
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from relax_gym.engines.base import Engine
+
+#: with `engine_urls`, how long one server's call waits out its outage, and how often it retries, before the
+#: router marks it down and re-sends the request to another server (the router's own wait, `rollout.
+#: engine_outage_timeout_s`, bounds the outage of all of them)
+MEMBER_OUTAGE_TIMEOUT_S = 2.0
+MEMBER_RETRIES = 1
 
 
 class EngineSettings(Protocol):
@@ -21,6 +28,9 @@ class EngineSettings(Protocol):
     def engine_url(self) -> str | None: ...
 
     @property
+    def engine_urls(self) -> Sequence[str] | None: ...
+
+    @property
     def engine_outage_timeout_s(self) -> float: ...
 
     @property
@@ -29,7 +39,16 @@ class EngineSettings(Protocol):
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0) -> Engine:
     """The engine `settings.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
-    is the cap), or the embedded engine over `loaded`."""
+    is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
+    server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
+    engine over `loaded`."""
+    if settings.engine == "sglang" and settings.engine_urls:
+        from relax_gym.engines.router import EngineRouter
+        from relax_gym.engines.sglang import SGLangEngine
+
+        return EngineRouter({url: SGLangEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,
+                                               max_connections=None) for url in settings.engine_urls},
+                            wait_s=settings.engine_outage_timeout_s)
     if settings.engine == "sglang" and settings.engine_url:
         from relax_gym.engines.sglang import SGLangEngine
 
