@@ -242,7 +242,7 @@ def test_client_raises_request_errors_without_retrying(servers, references):
         client._client.request = counted
         with pytest.raises(RequestError, match=r"answered 400 to /generate: input_ids"):
             await client.generate(bad)
-        with pytest.raises(EngineError, match=r"answered 501 to /update_weights_from_distributed"):
+        with pytest.raises(RequestError, match=r"answered 400 to /update_weights_from_distributed: names"):
             await client._request("POST", "/update_weights_from_distributed", {})
 
     asyncio.run(_with_client(servers["tiny"], use, retries=3, backoff_s=2.0))

@@ -12,7 +12,12 @@ share one served model. What differs from SGLang, by necessity:
 - `/update_weights_from_tensor` takes `{"safetensors_b64": <base64 of a
   safetensors file>, "weight_version": ...}`: SGLang's own payload is pickled
   CUDA IPC handles, meaningless across processes without its runtime.
-- `/update_weights_from_distributed` answers 501: there is no NCCL group here.
+- `/init_weights_update_group`, `/update_weights_from_distributed` and
+  `/destroy_weights_update_group` take SGLang's bodies: the server joins the
+  trainer's named group (`weight_group`: gloo on CPU, NCCL on GPU) as one rank,
+  `rank_offset`; received tensors load through the same checked path as the other
+  updates, between batches (generation goes on while they arrive). Refused:
+  `load_format` (flattened buckets) and `abort_all_requests=true`.
 - `/pause_generation` lets the running batch finish; queued requests wait.
 - `weight_version` is a string of the engine's integer version, as SGLang's is a
   string; here it only goes up (an update with an older version is refused).
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +72,7 @@ from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
+from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.errors import StartupError
 
 logger = logging.getLogger("relax_gym.engines")
@@ -174,6 +181,55 @@ class UpdateFromTensorIn(BaseModel):
     weight_version: int | Text | None = None
 
 
+GroupName = Annotated[Text, Field(min_length=1, max_length=256)]
+#: SGLang's default group name, used when a body names none
+DEFAULT_GROUP = "weight_update_group"
+
+
+class InitGroupIn(BaseModel):
+    master_address: Annotated[Text, Field(min_length=1, max_length=256)]
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: GroupName = DEFAULT_GROUP
+    backend: Text = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> InitGroupIn:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset: {self.rank_offset} is not a rank of a group of {self.world_size} "
+                             "(rank 0 is the trainer)")
+        return self
+
+
+class UpdateFromDistributedIn(BaseModel):
+    names: list[Text] = Field(min_length=1)
+    dtypes: list[Text]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: GroupName = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: int | Text | None = None
+    load_format: Text | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateFromDistributedIn:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes, shapes: {len(self.names)}, {len(self.dtypes)} and {len(self.shapes)} "
+                             "items; one of each per tensor")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("names: a name is listed twice")
+        if self.load_format is not None:
+            raise ValueError(f"load_format: only the default (one broadcast per tensor), got {self.load_format!r}")
+        if self.abort_all_requests:
+            raise ValueError("abort_all_requests: only false (the running batch finishes before the update)")
+        return self
+
+
+class DestroyGroupIn(BaseModel):
+    group_name: GroupName = DEFAULT_GROUP
+
+
 class PauseIn(BaseModel):
     mode: Text = "in_place"
 
@@ -187,6 +243,11 @@ def _field_error(err: dict[str, Any]) -> str:
 
 def _listed(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
+
+
+def _refused(message: str) -> JSONResponse:
+    """SGLang's answer to a weight route that did not succeed."""
+    return JSONResponse({"success": False, "message": message}, status_code=400)
 
 
 def _version(value: int | str | None, current: int) -> int:
@@ -295,6 +356,9 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     context = limits.context_length or engine.context_length
     decoders = asyncio.Semaphore(MEDIA_DECODERS)
     pending = 0
+    groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
+    joining: set[str] = set()  # names whose /init_weights_update_group is waiting for the other ranks
+    model_numel = sum(t.numel() for t in engine.model.state_dict().values())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -365,13 +429,61 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         message = f"Succeeded to update model weights (weight_version {engine.weight_version})."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
+    @app.post("/init_weights_update_group")
+    async def init_group(body: InitGroupIn) -> JSONResponse:
+        """Blocks until the trainer (rank 0) and every other rank have joined, or the group's timeout."""
+        name = body.group_name
+        if name in groups or name in joining:
+            return _refused(f"group_name: a group named {name!r} exists; destroy it first")
+        if body.backend == "nccl" and engine.device.type != "cuda":
+            return _refused(f"backend: 'nccl' needs the model on a CUDA device, it is on {engine.device}; use 'gloo'")
+        joining.add(name)
+        try:
+            groups[name] = await asyncio.to_thread(
+                create_group, body.master_address, body.master_port, body.rank_offset, body.world_size, name,
+                body.backend,
+            )
+        except Exception as err:  # a bad backend, an unreachable master, the group's timeout
+            return _refused(f"Failed to join weights update group {name!r}: {err}")
+        finally:
+            joining.discard(name)
+        return JSONResponse({"success": True, "message": f"Joined weights update group {name!r} as rank "
+                                                         f"{body.rank_offset} of {body.world_size}."})
+
     @app.post("/update_weights_from_distributed")
-    async def update_from_distributed() -> JSONResponse:
-        message = (
-            "update_weights_from_distributed needs an NCCL group with the trainer, which the embedded "
-            "engine does not have; use /update_weights_from_disk or /update_weights_from_tensor"
-        )
-        return JSONResponse({"success": False, "message": message}, status_code=501)
+    async def update_from_distributed(body: UpdateFromDistributedIn) -> JSONResponse:
+        """Receives every tensor, then loads them as /update_weights_from_tensor does: a refusal after receiving
+        (a name, shape or version the model does not take) leaves the group in step for the next update.
+
+        What is refused before receiving leaves the trainer's broadcast unanswered: destroy the group then."""
+        group = _group(body.group_name)
+        try:
+            dtypes = [parse_dtype(name) for name in body.dtypes]
+        except ValueError as err:
+            raise BadRequest(f"dtypes: {err}") from None
+        if (numel := sum(math.prod(shape) for shape in body.shapes)) > model_numel:
+            raise BadRequest(f"shapes: {numel} elements in all, more than the model's {model_numel}")
+        device = torch.device("cpu") if group.backend == "gloo" else engine.device
+        try:
+            tensors = await asyncio.to_thread(group.receive, list(zip(body.shapes, dtypes, strict=True)), device)
+        except Exception as err:  # the trainer went away, or the group's timeout
+            raise EngineError(f"receiving from group {body.group_name!r} failed ({err}); no weights were changed. "
+                              "Destroy the group and make it again.") from err
+        return await _update(dict(zip(body.names, tensors, strict=True)), body.weight_version)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(body: DestroyGroupIn) -> JSONResponse:
+        group = _group(body.group_name)
+        del groups[body.group_name]
+        await asyncio.to_thread(group.destroy)
+        return JSONResponse({"success": True, "message": f"Destroyed weights update group {body.group_name!r}."})
+
+    def _group(name: str) -> WeightGroup:
+        if name not in groups:
+            known = ", ".join(repr(n) for n in groups) or "none"
+            raise BadRequest(f"group_name: no weights update group named {name!r} (groups: {known}); "
+                             "make it with /init_weights_update_group")
+        return groups[name]
 
     @app.post("/pause_generation")
     async def pause(body: PauseIn | None = None) -> dict[str, Any]:

@@ -21,6 +21,8 @@ requests rather than finishing them: it has no drain mode), a state-dict
 `update_weights` needs this project's `/update_weights_from_tensor` payload (so
 use a folder path there), and a non-integer `weight_version` (SGLang's default
 is "default") leaves `weight_version` at the last integer this client set.
+The distributed routes (`init_weights_update_group` and the rest) send SGLang's own
+bodies, so `relax_gym.trainer.weight_publish` drives either server the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from typing import Any
 import httpx
 import numpy as np
 import soundfile
+import torch
 from PIL import Image
 from safetensors.torch import save
 
@@ -54,6 +57,7 @@ from relax_gym.engines.base import (
     RequestError,
     api_key_from_env,
 )
+from relax_gym.engines.weight_group import dtype_name
 
 logger = logging.getLogger("relax_gym.engines")
 
@@ -205,6 +209,44 @@ class SGLangEngine:
         if not body.get("success", False):
             raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
         self._version = version
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> None:
+        """Has the server join the trainer's group `group_name` as rank `rank_offset` of `world_size`. The server
+        answers once every rank has joined, so the trainer joins its side (rank 0) meanwhile: see
+        `relax_gym.trainer.weight_publish.DistributedPublisher`, which does both."""
+        payload = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                   "world_size": world_size, "group_name": group_name, "backend": backend}
+        self._succeeded("/init_weights_update_group", await self._request("POST", "/init_weights_update_group",
+                                                                        payload))
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[torch.dtype | str], shapes: Sequence[Sequence[int]],
+        group_name: str, version: int,
+    ) -> None:
+        """Has the server receive `names` by broadcast from rank 0 of `group_name`, in this order, then load them
+        and take `version`. Returns when it has: rank 0 broadcasts the tensors meanwhile."""
+        payload = {
+            "names": list(names),
+            "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
+            "shapes": [[int(n) for n in shape] for shape in shapes],
+            "group_name": group_name,
+            "weight_version": str(version),
+        }
+        route = "/update_weights_from_distributed"
+        self._succeeded(route, await self._request("POST", route, payload))
+        self._version = version
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        route = "/destroy_weights_update_group"
+        self._succeeded(route, await self._request("POST", route, {"group_name": group_name}))
+
+    def _succeeded(self, route: str, response: httpx.Response) -> None:
+        body = response.json()
+        if not body.get("success", False):
+            raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
 
     async def pause(self) -> None:
         await self._request("POST", "/pause_generation", {"mode": "in_place"})
