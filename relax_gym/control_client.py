@@ -1,0 +1,107 @@
+"""The client side of a training run's control API (`relax-gym cluster ...`): where its server is, its token, calls.
+
+Only httpx: talking to a run needs neither the trainer nor Ray. The server (`relax_gym.trainer.cluster.control_api`)
+writes `control.json` (its URL) and, when it generated the token, `control_token` into the run folder; this module
+reads them back, so `--run-dir` is all an operator on the same machine needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from relax_gym.errors import StartupError
+
+CONTROL_TOKEN_ENV = "RELAX_GYM_CONTROL_TOKEN"
+#: in the run folder: the generated bearer token (mode 0600), and the running server's {"url", "pid"}
+TOKEN_FILE = "control_token"
+CONTROL_FILE = "control.json"
+#: states after which an operation's record no longer changes
+TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+
+
+def locate(run_dir: str | os.PathLike[str] | None, url: str | None, token: str | None) -> tuple[str, str]:
+    """The control API's URL and token: `url` / `token` when given, else `$RELAX_GYM_CONTROL_TOKEN` for the token,
+    else the run folder's `control.json` and `control_token`. A StartupError says what is missing."""
+    folder = Path(run_dir) if run_dir is not None else None
+    if url is None:
+        if folder is None:
+            raise StartupError("give --run-dir (a run started with the control API) or --url")
+        try:
+            url = str(json.loads((folder / CONTROL_FILE).read_text())["url"])
+        except FileNotFoundError:
+            raise StartupError(f"{folder / CONTROL_FILE} does not exist: is the run started (with the control API "
+                               "on), and is this its run folder?") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise StartupError(f"{folder / CONTROL_FILE}: cannot read the server's URL ({err})") from None
+    token = token or os.environ.get(CONTROL_TOKEN_ENV, "").strip() or None
+    if token is None and folder is not None and (folder / TOKEN_FILE).exists():
+        try:
+            token = (folder / TOKEN_FILE).read_text().strip() or None
+        except OSError as err:
+            raise StartupError(f"{folder / TOKEN_FILE}: {err.strerror or err}") from None
+    if token is None:
+        where = f" or {folder / TOKEN_FILE}" if folder is not None else " (or --run-dir, for its control_token)"
+        raise StartupError(f"no control token: set {CONTROL_TOKEN_ENV}, pass --token{where}")
+    return url.rstrip("/"), token
+
+
+def refusal(response: httpx.Response) -> str:
+    """A non-2xx answer as one line: the status and the server's `detail`."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if not isinstance(detail, str):
+        detail = response.text.strip()[:300] or response.reason_phrase
+    extra = f" (running operation: {body['running_op_id']})" if isinstance(body, dict) and body.get(
+        "running_op_id") else ""
+    return f"{response.status_code} {response.reason_phrase}: {' '.join(detail.split())}{extra}"
+
+
+class ControlClient:
+    """Calls to one control API; every method returns the `httpx.Response` (the caller judges its status) and
+    lets httpx's transport errors (connection refused, timeouts) through."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def get(self, path: str) -> httpx.Response:
+        return self._http.get(path)
+
+    def post(self, path: str, body: dict[str, Any] | None = None, idempotency_key: str | None = None) -> httpx.Response:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._http.post(path, json=body, headers=headers)
+
+    def wait(self, op_id: str, poll_s: float = 0.25,
+             on_state: Callable[[dict[str, Any]], None] | None = None) -> httpx.Response:
+        """Polls the operation until its state is terminal (or an answer is not 200); `on_state` sees each change."""
+        seen = None
+        while True:
+            response = self.get(f"/v1/ops/{op_id}")
+            if response.status_code != 200:
+                return response
+            record = response.json()
+            if record.get("state") != seen and on_state is not None:
+                on_state(record)
+            seen = record.get("state")
+            if seen in TERMINAL_STATES:
+                return response
+            time.sleep(poll_s)
