@@ -30,16 +30,20 @@ defines it and, in brackets, a shorter path that re-exports it
         DatasetError                relax_gym.envs.datasets
         MediaError                  relax_gym.engines.server_media
         MessageError                relax_gym.messages
+        ScaleRejected               relax_gym.trainer.cluster.scale  (the control API answers its status: 400, 404, 409)
         TemplateError               relax_gym.models.template_traits [relax_gym.rollout]
       RuntimeError
         EngineError                 relax_gym.engines.base [relax_gym.engines]
-          EngineUnavailableError    relax_gym.engines.base
+          EngineUnavailableError    relax_gym.engines.base [relax_gym.engines]
+            EngineGoneError         relax_gym.engines.base [relax_gym.engines]
+          EngineStartError          relax_gym.trainer.cluster.fleet
           RequestError              relax_gym.engines.base [relax_gym.engines]
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
         EpisodeOverError            relax_gym.core [relax_gym]
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
           SandboxUnavailableError   relax_gym.sandbox.result [relax_gym.sandbox]
+        TrainerLost                 relax_gym.trainer.cluster.ray_handles  (the controller restarts the trainer)
         WorkerError                 relax_gym.rewards._pool  (private: the reward pool's worker broke)
     Warning
       RuntimeWarning

@@ -20,6 +20,7 @@ from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
 from relax_gym.rollout.manager import MAX_CONCURRENCY, RolloutLimits
 from relax_gym.trainer.algorithms import AlgorithmConfig
+from relax_gym.trainer.cluster.config import ClusterSection
 
 
 class _Strict(BaseModel):
@@ -64,7 +65,10 @@ class RolloutConfig(_Strict):
 
     engine: Literal["embedded", "sglang"] = "embedded"
     engine_url: str | None = None
+    #: several servers (`relax-gym serve` or SGLang) behind one `EngineRouter`: sticky episodes, failover on outage
+    engine_urls: list[str] | None = None
     #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
+    #: (with `engine_urls`: how long the router waits for any live server)
     engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0)
     group_size: int = Field(8, ge=1)
     groups_per_step: int = Field(8, ge=1)
@@ -84,8 +88,10 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _engine_named(self) -> RolloutConfig:
-        if self.engine == "sglang" and not self.engine_url:
-            raise ValueError("rollout.engine=sglang needs rollout.engine_url")
+        if self.engine_url and self.engine_urls:
+            raise ValueError("rollout.engine_url and rollout.engine_urls are mutually exclusive: set one")
+        if self.engine == "sglang" and not (self.engine_url or self.engine_urls):
+            raise ValueError("rollout.engine=sglang needs rollout.engine_url or rollout.engine_urls")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -153,6 +159,8 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    #: roles as Ray actors; absent (the default), the run is one process and never imports Ray
+    cluster: ClusterSection | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

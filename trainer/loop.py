@@ -129,13 +129,8 @@ class Trainer:
         r = cfg.rollout
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
-        self.engine = make_engine(self.loaded, r, seed=cfg.seed)
-        self.backend = make_backend(cfg, self.loaded)
-        if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
-            self.backend = DrivingBackend(self.backend)
         self.sampling = r.sampling_params()
-        self.manager = RolloutManager(self.engine, self.loaded, sampling=self.sampling, limits=r.limits(),
-                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
+        self._build_roles()
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)
         self.ref = self._frozen(cfg.model.path) if self.algo.kl_coef > 0 else None
@@ -157,6 +152,17 @@ class Trainer:
         self.resumed_from: int | None = None
         self.eval_failures = 0
         self._eval_tasks: set[asyncio.Task] = set()
+
+    def _build_roles(self) -> None:
+        """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
+        makes them Ray actors instead)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        self.engine = make_engine(self.loaded, r, seed=cfg.seed)
+        self.backend: TrainBackend = make_backend(cfg, self.loaded)
+        if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
+            self.backend = DrivingBackend(self.backend)
+        self.manager = RolloutManager(self.engine, self.loaded, sampling=self.sampling, limits=r.limits(),
+                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
 
     def _env_uses(self) -> list[EnvUse]:
         """Every (id, kwargs) the run will build: each env's training kwargs, and its eval kwargs if evals run."""
@@ -217,12 +223,7 @@ class Trainer:
         interrupted = False
         self._watch_sigint()
         try:
-            await self._resume()
-            settle_heap()
-            if self.cfg.trainer.mode == "sync":
-                await self._run_sync()
-            else:
-                await self._run_async()
+            await self._train()
         except (KeyboardInterrupt, asyncio.CancelledError):
             interrupted = True
         finally:
@@ -237,6 +238,15 @@ class Trainer:
         summary = self.log.summary()
         summary.update(interrupted=interrupted, resumed_from=self.resumed_from, eval_failures=self.eval_failures)
         return summary
+
+    async def _train(self) -> None:
+        """Resumes from the newest checkpoint, if any, and trains to `total_steps`."""
+        await self._resume()
+        settle_heap()
+        if self.cfg.trainer.mode == "sync":
+            await self._run_sync()
+        else:
+            await self._run_async()
 
     def _watch_sigint(self) -> None:
         """Ctrl-C cancels the run's task (as asyncio.run would) and also marks the run interrupted, so a
@@ -361,6 +371,7 @@ class Trainer:
         if trajs and all(t.status == "aborted" for t in trajs):
             raise RunStopped(f"every episode of step {self.step + 1} was aborted, so it was not trained "
                              f"(its tasks are kept for a resume): {status_breakdown(trajs)}")
+        counters = {**counters, **self.role_counters()}
         samples = [s for g in groups for s in group_to_samples(g, self.algo.std_normalize)]
         timings = {"wait_rollout_s": waited}
         t0 = time.perf_counter()
@@ -396,6 +407,14 @@ class Trainer:
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
             self._start_eval(self.step)
         self._stop_if_not_learning(trajs, bool(samples))
+        await self._after_step()
+
+    async def _after_step(self) -> None:
+        """Called after each step is logged and checkpointed (`ClusterTrainer` runs its `on_step` hook here)."""
+
+    def role_counters(self) -> dict[str, Any]:
+        """Run totals of the roles (failovers, restarts) for each step's metrics: none in one process."""
+        return {}
 
     def _stop_if_not_learning(self, trajs: list[Any], trained: bool) -> None:
         """Every episode failing the same way stops the run at once; no trainable sample for
@@ -519,6 +538,12 @@ def load_policy(cfg: TrainConfig) -> LoadedModel:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Runs a training job; under torchrun, rank 0 trains and the other ranks follow its backend calls."""
     rank, size = world()
+    if cfg.cluster is not None:
+        if size > 1:
+            raise ValueError("a cluster run starts its own trainer ranks as Ray actors: run it without torchrun")
+        from relax_gym.trainer.cluster.run import ClusterTrainer
+
+        return asyncio.run(ClusterTrainer(cfg).run())
     if size > 1 and cfg.trainer.backend != "megatron":
         raise ValueError("only trainer.backend=megatron runs under torchrun; the torch backend is one process")
     if rank == 0:

@@ -96,6 +96,17 @@ class RunLog:
         """One line for the person watching (above the progress bar)."""
         self.progress.console.print(text, highlight=False, soft_wrap=True)
 
+    def event(self, step: int, kind: str, **fields: Any) -> dict[str, Any]:
+        """A role's failure or recovery in a distributed run, as a line of events.jsonl. That file is never
+        truncated by a resume: it records what happened, to steps trained again afterwards too."""
+        record = {"type": "event", "event": kind, "step": step, "time_s": round(time.perf_counter() - self.start, 3),
+                  **fields}
+        with (self.run_dir / "events.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        detail = ", ".join(f"{k}={v}" for k, v in fields.items())
+        self.note(f"[cyan]{kind}[/cyan] at step {step}: {detail}")
+        return record
+
     def eval(self, version: int, results: dict[str, list[Trajectory]]) -> dict[str, float]:
         """One eval row; an env whose every episode failed or aborted gets an `error` beside its (zero) score, so a
         broken eval is never mistaken for a model that scores 0."""

@@ -1,0 +1,252 @@
+"""The distributed run on a real local Ray cluster: parity with the in-process run, and recovery from faults.
+
+Every scenario trains the warm-start tiny model strictly on-policy (`max_staleness: 0`, one request per engine
+batch, per-request seeds), so whatever is killed, the run must train on exactly the batches of an uninterrupted
+in-process run and reach exactly its losses: nothing lost, nothing trained twice, no stale weights served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from relax_gym.errors import RunStopped  # noqa: E402
+from relax_gym.trainer.cluster.run import ClusterTrainer, Faults  # noqa: E402
+from relax_gym.trainer.config import load_config  # noqa: E402
+from relax_gym.trainer.loop import Trainer  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
+STEPS = 4
+KEYS = ("reward_mean", "train/loss", "train/grad_norm", "trained_samples")
+#: test timings: a stall is found within seconds, not the production two minutes
+FAST_HEALTH = ["cluster.health.poll_s=0.2", "cluster.health.stall_s=3", "cluster.health.probe_timeout_s=2"]
+
+
+def config(run_dir: Path, *overrides: str, cluster: bool = True):
+    base = [
+        f"run_dir={run_dir}",
+        f"model={WARM_START}",
+        "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1}}]",
+        "rollout.group_size=3",
+        "rollout.groups_per_step=2",
+        "rollout.temperature=0.5",
+        "rollout.max_new_tokens=4",
+        "rollout.max_turns=1",
+        "rollout.engine_max_batch_size=1",
+        f"trainer.total_steps={STEPS}",
+        "trainer.lr=1e-3",
+        "trainer.checkpoint_every=2",
+        "trainer.max_staleness=0",
+    ]
+    if cluster:
+        base += ["cluster.mode=ray", "cluster.engines.count=2", "cluster.rollout_workers.count=2",
+                 "cluster.control.enabled=false", *FAST_HEALTH]
+    return load_config(None, [*base, *overrides])
+
+
+def records(run_dir: Path, kind: str = "train") -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["type"] == kind]
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def trained_tasks(run_dir: Path) -> Counter:
+    """How many trained trajectories each task (its seed) has, from the run's saved trajectories."""
+    return Counter(json.loads(line)["seed"] for line in (run_dir / "trajectories.jsonl").read_text().splitlines())
+
+
+def losses(rows: list[dict]) -> list[list]:
+    return [[r[k] for k in KEYS] for r in rows]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> list[dict]:
+    """The uninterrupted in-process run every scenario must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    asyncio.run(Trainer(config(run_dir, cluster=False)).run())
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert any(r["train/loss"] != 0 for r in rows)
+    return rows
+
+
+def train_cluster(cfg, **kwargs) -> dict:
+    return asyncio.run(ClusterTrainer(cfg, **kwargs).run())
+
+
+async def restarted(run: ClusterTrainer, engine_id: str, timeout_s: float = 60) -> None:
+    """Waits (holding up the loop, as a slow step would) until the engine is back and serving."""
+    async def back() -> None:
+        slot = run.fleet.slots[engine_id]
+        while not (slot.restarts and slot.state == "ACTIVE"):
+            await asyncio.sleep(0.1)
+
+    await asyncio.wait_for(back(), timeout_s)
+
+
+def assert_exactly_once(run_dir: Path, group_size: int = 3) -> None:
+    per_task = trained_tasks(run_dir)
+    assert len(per_task) == STEPS * 2, per_task  # every step trained groups_per_step distinct tasks
+    assert set(per_task.values()) == {group_size}, per_task  # each task's group trained once, whole
+
+
+def test_the_ray_run_trains_exactly_like_the_in_process_run(ray_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train_cluster(config(run_dir))
+    rows = records(run_dir)
+    assert losses(rows) == losses(reference)
+    assert summary["steps"] == STEPS
+    assert rows[-1]["cluster/engines_active"] == 2
+    assert rows[-1]["cluster/published_version"] == STEPS - 1  # the last step's weights are published after it
+    assert_exactly_once(run_dir)
+    assert (run_dir / "checkpoints" / f"step_{STEPS}").is_dir()
+
+
+def test_engines_killed_mid_rollout_lose_nothing(ray_cluster, reference, tmp_path):
+    """One engine is killed through Ray, the other SIGKILLed, while groups are in flight."""
+    run_dir = tmp_path / "run"
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            ray.kill(run.fleet.slots["engine-0"].actor)
+        if run.step == 2:
+            await restarted(run, "engine-0")
+            pid = ray.get(run.fleet.slots["engine-1"].actor.ready.remote())["pid"]
+            os.kill(pid, signal.SIGKILL)
+        if run.step == 3:
+            await restarted(run, "engine-1")
+
+    train_cluster(config(run_dir), on_step=chaos)
+    rows = records(run_dir)
+    assert losses(rows) == losses(reference)
+    assert_exactly_once(run_dir)
+    statuses = Counter(s for r in rows for s, n in r["status"].items() for _ in range(n))
+    assert "aborted" not in statuses and "failed" not in statuses
+    kinds = Counter(e["event"] for e in events(run_dir))
+    assert kinds["engine_lost"] >= 2 and kinds["engine_restarted"] >= 2, kinds
+    back = [e for e in events(run_dir) if e["event"] == "engine_restarted"]
+    assert all(e["version"] >= e["step"] - 1 for e in back)  # synced to the published weights first
+
+
+def test_a_rollout_worker_killed_with_groups_in_flight_loses_none(ray_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            ray.kill(run.workers.slots["rollout-0"].actor)
+
+    train_cluster(config(run_dir), on_step=chaos)
+    assert losses(records(run_dir)) == losses(reference)
+    assert_exactly_once(run_dir)
+    kinds = Counter(e["event"] for e in events(run_dir))
+    assert kinds["worker_restarted"] == 1, kinds
+
+
+def test_a_lost_trainer_rank_resumes_from_its_checkpoint(ray_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train_cluster(config(run_dir), faults=Faults(trainer={"crash_at_step": 3}))
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # step 3 was logged once
+    assert losses(rows) == losses(reference)
+    assert_exactly_once(run_dir)
+    restarts = [e for e in events(run_dir) if e["event"] == "trainer_restarted"]
+    assert len(restarts) == 1 and restarts[0]["resumes_from_step"] == 2
+    assert summary["steps"] == STEPS
+
+
+def test_a_trainer_that_keeps_dying_stops_the_run_after_its_budget(ray_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = config(run_dir, "cluster.health.max_trainer_restarts=2")
+    with pytest.raises(RunStopped, match="after 2 restarts"):
+        train_cluster(cfg, faults=Faults(trainer={"crash_at_step": 1}, trainer_times=10))
+    assert sum(e["event"] == "trainer_restarted" for e in events(run_dir)) == 2
+
+
+def test_an_error_in_the_trainer_is_fatal_not_restarted(ray_cluster, tmp_path):
+    """A deterministic exception (here: a sample the backend rejects) is a bug to report, not a lost process."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(Exception, match="raise_at_step"):
+        train_cluster(config(run_dir), faults=Faults(trainer={"raise_at_step": 2}))
+    assert not any(e["event"] == "trainer_restarted" for e in events(run_dir))
+
+
+def test_a_hung_engine_is_found_probed_and_replaced(ray_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    async def wait(run: ClusterTrainer) -> None:
+        if run.step == STEPS - 1:
+            await restarted(run, "engine-0")
+
+    train_cluster(config(run_dir), faults=Faults(engines={"engine-0": {"hang_after": 4}}), on_step=wait)
+    assert losses(records(run_dir)) == losses(reference)
+    kinds = Counter(e["event"] for e in events(run_dir))
+    assert kinds["probe_failed"] >= 1 and kinds["engine_restarted"] >= 1, kinds
+
+
+def test_the_control_api_scales_engines_out_and_in_while_training(ray_cluster, reference, tmp_path):
+    """Refuses an unauthenticated request; an authenticated scale-out adds an engine synced to the published
+    weights (a repeat is a no-op, a concurrent one a 409); scale-in drains the newest engine (LIFO)."""
+    httpx = pytest.importorskip("httpx")
+    run_dir = tmp_path / "run"
+    ops: dict[str, dict] = {}
+
+    async def until_done(client, op_id: str) -> dict:
+        for _ in range(600):
+            record = (await client.get(f"/v1/ops/{op_id}")).json()
+            if record["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
+                return record
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"op {op_id} did not finish")
+
+    async def operate(run: ClusterTrainer) -> None:
+        if run.step not in (1, 2):
+            return
+        url = json.loads((run_dir / "control.json").read_text())["url"]
+        token = (run_dir / "control_token").read_text().strip()
+        assert url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}) as client:
+            if run.step == 1:
+                refused = await httpx.AsyncClient(base_url=url).post("/v1/engines/scale_out", json={"num_engines": 3})
+                assert refused.status_code == 401
+                started = await client.post("/v1/engines/scale_out", json={"num_engines": 3})
+                assert started.status_code == 202, started.text
+                busy = await client.post("/v1/engines/scale_in", json={"num_engines": 2})
+                assert busy.status_code == 409
+                ops["out"] = await until_done(client, started.json()["op_id"])
+                again = await client.post("/v1/engines/scale_out", json={"num_engines": 3})
+                assert again.status_code == 200 and again.json()["state"] == "NOOP"
+            else:
+                started = await client.post("/v1/engines/scale_in", json={"num_engines": 2, "drain_timeout_s": 30})
+                assert started.status_code == 202, started.text
+                ops["in"] = await until_done(client, started.json()["op_id"])
+                ops["engines"] = (await client.get("/v1/engines")).json()
+
+    train_cluster(config(run_dir, "cluster.control.enabled=true"), on_step=operate)
+    assert ops["out"]["state"] == "COMPLETED" and ops["out"]["engine_ids"] == ["engine-2"]
+    assert ops["out"]["version_on_activate"] == {"engine-2": 1}  # the weights published after step 1
+    assert ops["in"]["state"] == "COMPLETED" and ops["in"]["engine_ids"] == ["engine-2"]
+    assert ops["in"]["aborted"] in ({}, {"engine-2": 0})
+    assert sorted(e["engine_id"] for e in ops["engines"]) == ["engine-0", "engine-1"]
+    assert losses(records(run_dir)) == losses(reference)
+    assert_exactly_once(run_dir)

@@ -1,0 +1,88 @@
+"""`cluster:`, the training config's section for the distributed run (absent: the run is one process).
+
+Plain pydantic, no Ray import: the config is validated before anything is started, and an in-process run
+reads it only to see that it is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EnginesSection(_Strict):
+    """The inference engines, one Ray actor each (the embedded transformers engine inside)."""
+
+    count: int = Field(2, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    #: the GPUs of one engine (its tensor-parallel size); they are packed on one node by a placement group
+    tp: int = Field(1, ge=1)
+
+
+class WorkersSection(_Strict):
+    """Rollout workers: each runs a rollout manager, its env pools and an engine router."""
+
+    count: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+
+
+class TrainerRanksSection(_Strict):
+    num_cpus: float = Field(0.5, ge=0)
+    num_gpus: float = Field(0, ge=0)
+
+
+class HealthSection(_Strict):
+    """How the controller finds failures and how much recovery it spends on them."""
+
+    #: how often engines and workers are polled for progress
+    poll_s: float = Field(2.0, gt=0)
+    #: a role with work in flight and no completion for this long is stalled (probed, then replaced)
+    stall_s: float = Field(120.0, gt=0)
+    #: how long an engine's one-token probe may take
+    probe_timeout_s: float = Field(30.0, gt=0)
+    #: recreations of one engine (or worker) allowed per `restart_window_s`; past that it stays dead
+    engine_restarts: int = Field(3, ge=0)
+    worker_restarts: int = Field(3, ge=0)
+    restart_window_s: float = Field(600.0, gt=0)
+    #: trainer restarts from the last checkpoint for the whole run; one more failure stops the run
+    max_trainer_restarts: int = Field(3, ge=0)
+    #: scale-in never goes below this many engines
+    min_engines: int = Field(1, ge=1)
+    #: at most this fraction of the engines is replaced in one round; if more than half fail at once, none is
+    max_kill_fraction: float = Field(0.25, gt=0, le=1)
+    #: how long an episode waits for a live engine before it is aborted ("no live engine")
+    engine_wait_s: float = Field(300.0, gt=0)
+
+
+class ControlSection(_Strict):
+    """The elastic-rollout control API (HTTP, bearer token)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    #: 0 picks a free port; the URL is written to RUN_DIR/control.json
+    port: int = Field(0, ge=0, le=65535)
+    #: the bearer token; else $RELAX_GYM_CONTROL_TOKEN, else one generated into RUN_DIR/control_token (0600)
+    token: str | None = None
+
+
+class ClusterSection(_Strict):
+    """Roles as Ray actors: `mode: ray` starts a local Ray cluster, or joins `address` (`auto`: the one
+    `ray start` runs on this node)."""
+
+    mode: Literal["ray"] = "ray"
+    address: str | None = None
+    #: CPUs a local cluster announces (logical: roles take fractions); default max(8, this machine's)
+    num_cpus: int | None = Field(None, ge=1)
+    engines: EnginesSection = Field(default_factory=EnginesSection)
+    rollout_workers: WorkersSection = Field(default_factory=WorkersSection)
+    trainer: TrainerRanksSection = Field(default_factory=TrainerRanksSection)
+    #: how trained weights reach the engines: through Ray's object store (engine actors)
+    weight_sync: Literal["object_store"] = "object_store"
+    health: HealthSection = Field(default_factory=HealthSection)
+    control: ControlSection = Field(default_factory=ControlSection)

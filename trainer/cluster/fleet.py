@@ -1,0 +1,257 @@
+"""The engine fleet: the controller's registry of engine actors, and weight publication to them.
+
+An engine serves only once it holds the published weights: it is created (STARTING), answers (HEALTH_CHECKING),
+loads the last published state dict (WEIGHT_SYNCING, under the publication lock, so no publication can slip
+past it) and only then becomes ACTIVE and visible to the routers. `published_version` is the version every
+ACTIVE engine acknowledged; an engine that fails a publication is DEAD (and replaced by the health manager),
+so it never serves a version older than the others. Publication, recovery and scale operations take one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from relax_gym.engines.base import EngineError
+from relax_gym.trainer.cluster.config import ClusterSection
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
+from relax_gym.trainer.cluster.roles import EngineService
+from relax_gym.trainer.cluster.scale import EngineState, EngineView
+from relax_gym.trainer.config import TrainConfig
+
+#: how long a new engine may take to build its model and answer
+START_TIMEOUT_S = 300.0
+
+
+class EngineStartError(EngineError):
+    """An engine could not be started, checked or synced; the message says which step failed."""
+
+
+@dataclass
+class EngineSlot:
+    engine_id: str
+    actor: Any
+    client: RayEngineClient
+    state: EngineState
+    initial: bool
+    added_at: float = field(default_factory=time.time)
+    version: int = -1
+    #: dead with its restart budget spent: never recreated
+    retired: bool = False
+    #: restart times in the current window (recreations of this slot)
+    restarts: deque[float] = field(default_factory=deque)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class ActorFleet:
+    """The `EngineFleet` of engine actors: creates, syncs, publishes to, drains and removes them, and tells the
+    routers which are ACTIVE.
+
+    `on_change(epoch, members)` is awaited after every change of the ACTIVE set (the worker pool forwards it
+    to every rollout worker); `event(kind, **fields)` records what happened (the run's event log).
+    """
+
+    def __init__(self, cfg: TrainConfig, *, on_change: Callable[[int, dict[str, RayEngineClient]], Awaitable[None]],
+                 event: Callable[..., None], status: Callable[[], dict[str, Any]] | None = None,
+                 faults: dict[str, dict[str, int]] | None = None):
+        assert cfg.cluster is not None
+        self.cfg = cfg
+        self.cluster: ClusterSection = cfg.cluster
+        self.min_engines = self.cluster.health.min_engines
+        self.slots: dict[str, EngineSlot] = {}
+        self.lock = asyncio.Lock()
+        self.epoch = 0
+        self.published: Any = None  # the ObjectRef of the last published state dict (for engines joining later)
+        self.published_version = 0
+        self._next_id = 0
+        self._on_change = on_change
+        self._event = event
+        self._status = status or (lambda: {})
+        #: faults to inject by engine id, given to that engine's first incarnation only (tests, chaos runs)
+        self.faults = dict(faults or {})
+
+    # --- views ------------------------------------------------------------------------
+    def active(self) -> dict[str, RayEngineClient]:
+        return {i: s.client for i, s in self.slots.items() if s.state == "ACTIVE"}
+
+    def engines(self) -> list[EngineView]:
+        return [EngineView(engine_id=s.engine_id, kind="embedded", url=None, state=s.state, version=s.version,
+                           inflight=int(s.stats.get("inflight", 0)), served=int(s.stats.get("done", 0)),
+                           initial=s.initial, added_at=s.added_at)
+                for s in self.slots.values() if s.state != "REMOVED"]
+
+    def status(self) -> dict[str, Any]:
+        return {**self._status(), "published_version": self.published_version, "engine_epoch": self.epoch}
+
+    async def _changed(self) -> None:
+        self.epoch += 1
+        await self._on_change(self.epoch, self.active())
+
+    # --- creating ---------------------------------------------------------------------
+    def _spawn(self, engine_id: str) -> Any:
+        c = self.cluster.engines
+        options: dict[str, Any] = {"num_cpus": c.num_cpus, "max_restarts": 0, "max_task_retries": 0,
+                                   "max_concurrency": 1000}
+        if c.num_gpus:
+            options["num_gpus"] = c.num_gpus
+        fault = self.faults.pop(engine_id, None)
+        return ray.remote(EngineService).options(**options).remote(engine_id, self.cfg, fault)
+
+    async def _bring_up(self, slot: EngineSlot, on_state: Callable[[EngineState], None] | None) -> None:
+        """STARTING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> ACTIVE; raises EngineStartError (the actor killed)."""
+
+        def enter(state: EngineState) -> None:
+            slot.state = state
+            if on_state is not None:
+                on_state(state)
+
+        step = "STARTING"
+        try:
+            enter("STARTING")
+            await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+            step = "HEALTH_CHECKING"
+            enter("HEALTH_CHECKING")
+            await asyncio.wait_for(call(slot.actor.probe), self.cluster.health.probe_timeout_s)
+            step = "WEIGHT_SYNCING"
+            enter("WEIGHT_SYNCING")
+            async with self.lock:  # no publication slips past: the engine gets exactly the published version
+                if self.published is not None:
+                    slot.version = await call(slot.actor.update_weights, self.published, self.published_version)
+                else:
+                    slot.version = self.published_version
+                enter("ACTIVE")
+                await self._changed()
+        except asyncio.CancelledError:
+            ray.kill(slot.actor)
+            slot.state = "DEAD"
+            raise
+        except Exception as err:
+            ray.kill(slot.actor)
+            slot.state = "DEAD"
+            why = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+            raise EngineStartError(f"engine {slot.engine_id} failed at {step}: {why}") from None
+
+    async def add_engine(self, url: str | None = None,
+                         on_state: Callable[[EngineState], None] | None = None) -> str:
+        """A new engine actor, synced to the published weights before it is routable; returns its id."""
+        if url is not None:
+            raise EngineStartError("registering external engine servers by URL needs the disk or distributed "
+                                   "weight sync; this run publishes through the object store to engine actors")
+        engine_id = f"engine-{self._next_id}"
+        self._next_id += 1
+        actor = self._spawn(engine_id)
+        slot = EngineSlot(engine_id, actor, RayEngineClient(engine_id, actor), "STARTING",
+                          initial=not self.slots and not self.published)
+        self.slots[engine_id] = slot
+        started = time.monotonic()
+        await self._bring_up(slot, on_state)
+        self._event("engine_added", engine_id=engine_id, ready_s=round(time.monotonic() - started, 3),
+                    version=slot.version)
+        return engine_id
+
+    async def start(self, count: int) -> None:
+        """The run's initial engines, concurrently; any that fails to start stops the run before it trains."""
+        results = await asyncio.gather(*(self.add_engine() for _ in range(count)), return_exceptions=True)
+        for slot in self.slots.values():
+            slot.initial = True
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def replace(self, engine_id: str, reason: str, *, budget: int, window_s: float) -> bool:
+        """Kills a dead or stuck engine and brings up a fresh one in its slot (same id), if the slot's restart
+        budget for the window allows; False when it does not (the slot stays DEAD)."""
+        slot = self.slots[engine_id]
+        was_active = slot.state == "ACTIVE"
+        slot.state = "DEAD"
+        if was_active:
+            await self._changed()  # routers stop choosing it now; its in-flight calls fail over when it dies
+        ray.kill(slot.actor)
+        now = time.monotonic()
+        while slot.restarts and now - slot.restarts[0] > window_s:
+            slot.restarts.popleft()
+        if len(slot.restarts) >= budget:
+            slot.retired = True
+            self._event("engine_dead", engine_id=engine_id, reason=reason, restarts=len(slot.restarts),
+                        note="restart budget spent")
+            return False
+        slot.restarts.append(now)
+        delay = min(2.0 ** (len(slot.restarts) - 1) - 1, 30.0)  # 0, 1, 3, 7 ... s
+        await asyncio.sleep(delay)
+        slot.actor = self._spawn(engine_id)
+        slot.client = RayEngineClient(engine_id, slot.actor)
+        started = time.monotonic()
+        try:
+            await self._bring_up(slot, None)
+        except EngineStartError as err:
+            self._event("engine_restart_failed", engine_id=engine_id, reason=str(err))
+            return False
+        self._event("engine_restarted", engine_id=engine_id, reason=reason,
+                    time_to_recover_s=round(time.monotonic() - started + delay, 3), version=slot.version)
+        return True
+
+    # --- publishing -------------------------------------------------------------------
+    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        """`state_dict` at `version` to every ACTIVE engine (one object-store copy for all); returns how many
+        acknowledged. An engine that fails is DEAD (the health manager replaces it); the others go on."""
+        async with self.lock:
+            ref = ray.put(state_dict)
+            slots = [s for s in self.slots.values() if s.state == "ACTIVE"]
+            results = await asyncio.gather(*(call(s.actor.update_weights, ref, version) for s in slots),
+                                           return_exceptions=True)
+            self.published, self.published_version = ref, version
+            failed = False
+            for slot, result in zip(slots, results, strict=True):
+                if isinstance(result, BaseException):
+                    slot.state = "DEAD"
+                    failed = True
+                    gone = isinstance(result, ACTOR_GONE)
+                    self._event("publish_failed", engine_id=slot.engine_id, version=version,
+                                reason="engine gone" if gone else f"{type(result).__name__}: {result}")
+                else:
+                    slot.version = int(result)
+            if failed:
+                await self._changed()
+            return sum(not isinstance(r, BaseException) for r in results)
+
+    # --- shrinking --------------------------------------------------------------------
+    async def drain_engine(self, engine_id: str, timeout_s: float) -> int:
+        """Routers stop choosing the engine (sticky episodes move at their next turn); waits up to `timeout_s`
+        for its in-flight requests; returns how many were left."""
+        slot = self.slots[engine_id]
+        async with self.lock:
+            slot.state = "DRAINING"
+            await self._changed()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                stats = await asyncio.wait_for(call(slot.actor.stats), 10.0)
+            except (*ACTOR_GONE, TimeoutError):
+                return 0
+            slot.stats = stats
+            if stats["inflight"] == 0 or time.monotonic() >= deadline:
+                return int(stats["inflight"])
+            await asyncio.sleep(0.05)
+
+    async def remove_engine(self, engine_id: str) -> None:
+        """Ends the engine: what it still runs fails over in the routers. REMOVED is never revived."""
+        slot = self.slots[engine_id]
+        was_active = slot.state == "ACTIVE"
+        slot.state = "REMOVED"
+        if was_active:
+            async with self.lock:
+                await self._changed()
+        ray.kill(slot.actor)
+        self._event("engine_removed", engine_id=engine_id)
+
+    async def shutdown(self) -> None:
+        for slot in self.slots.values():
+            if slot.state != "REMOVED":
+                ray.kill(slot.actor)

@@ -1,0 +1,132 @@
+"""The Ray transport: clients that make a role's actor look like the local object the loop already uses.
+
+`RayEngineClient` is an `Engine` over an engine actor (the router's member in a rollout worker);
+`RemoteBackend` is a `TrainBackend` over the trainer rank's actor (the loop's backend in the driver). A dead
+actor surfaces as the error the caller already handles: `EngineGoneError` (the router fails over) and
+`TrainerLost` (the controller restarts the trainer from its checkpoint). Calls are never retried by Ray
+(`max_task_retries` would silently replay them on a fresh actor holding other weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from relax_gym.engines.base import EngineGoneError, GenerateOutput, GenerateRequest
+from relax_gym.trainer.backends.base import LogprobOutput
+from relax_gym.trainer.batch import LossFn, Sample
+
+#: what a dead, killed or unreachable actor raises (ActorDiedError, ActorUnavailableError are its subclasses)
+ACTOR_GONE = (RayActorError,)
+
+
+class TrainerLost(RuntimeError):
+    """The trainer rank's process is gone: the controller restarts it from the last checkpoint."""
+
+
+async def call(method: Any, *args: Any) -> Any:
+    """`await actor.method.remote(*args)`, cancelling the remote call when the caller is cancelled."""
+    ref = method.remote(*args)
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
+
+
+class RayEngineClient:
+    """The `Engine` protocol over one engine actor (`roles.EngineService`)."""
+
+    def __init__(self, engine_id: str, actor: Any):
+        self.engine_id = engine_id
+        self.actor = actor
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return await call(getattr(self.actor, name), *args)
+        except ACTOR_GONE as err:
+            raise EngineGoneError(f"engine {self.engine_id} is gone: {type(err).__name__}") from None
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        out: GenerateOutput = await self._call("generate", request)
+        self._version = out.weight_version
+        return out
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        self._version = await self._call("update_weights", weights, version)
+
+    async def pause(self) -> None:
+        """Engine actors load weights between their own batches (`EngineService.update_weights`)."""
+
+    async def resume(self) -> None:
+        """See `pause`."""
+
+    async def connect(self) -> dict[str, Any]:
+        info: dict[str, Any] = await self._call("ready")
+        return info
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._call("probe"))
+        except EngineGoneError:
+            return False
+
+    async def close(self) -> None:
+        """The controller owns engine actors; a worker's client closes nothing."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RayEngineClient, (self.engine_id, self.actor))
+
+
+class RemoteBackend:
+    """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank`); blocking, as the loop
+    calls backends from a worker thread."""
+
+    def __init__(self, actor: Any, version: int = 0):
+        self.actor = actor
+        self._version = version
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except ACTOR_GONE as err:
+            raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._get(self.actor.set_version.remote(value))
+        self._version = value
+
+    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> list[LogprobOutput]:
+        outs: list[LogprobOutput] = self._get(self.actor.logprobs.remote(samples, temperature, with_entropy))
+        return outs
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        metrics, self._version = self._get(self.actor.train_step.remote(samples, loss_fn, temperature))
+        return metrics
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = self._get(self.actor.hf_state_dict.remote())
+        return state
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        self._get(self.actor.save_checkpoint.remote(str(path), extra))
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        extra, self._version = self._get(self.actor.load_checkpoint.remote(str(path)))
+        return extra

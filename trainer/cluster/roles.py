@@ -1,0 +1,207 @@
+"""The distributed run's roles as plain classes: an engine, a rollout worker, a trainer rank.
+
+Each is what one Ray actor runs (`ray.remote(cls)` wraps it at creation, so the class itself imports no Ray and
+can be built and called directly). Every role builds its own model from the run's config in its own process:
+nothing large crosses a process boundary at creation. What the controller watches is progress, not liveness:
+each role reports when it last finished something while it had work in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
+from relax_gym.engines.embedded import EmbeddedEngine
+from relax_gym.engines.router import EngineRouter
+from relax_gym.rollout.manager import RolloutManager, settle_heap
+from relax_gym.trainer.backends.base import LogprobOutput
+from relax_gym.trainer.batch import LossFn, Sample
+from relax_gym.trainer.config import TrainConfig
+from relax_gym.trajectory import Trajectory
+
+
+class Progress:
+    """Work in flight and when the last piece of it finished: a role with work and no completion for a while is
+    stalled, whatever its process says about itself."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.done = 0
+        self.last_done = time.monotonic()
+
+    def begin(self) -> None:
+        if self.inflight == 0:  # idle time is not stall time
+            self.last_done = time.monotonic()
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        self.done += 1
+        self.last_done = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        return {"inflight": self.inflight, "done": self.done, "idle_s": time.monotonic() - self.last_done}
+
+
+class EngineService:
+    """One inference engine (the embedded transformers engine over the run's model).
+
+    `fault` injects a deterministic failure for tests and the chaos benchmark: `{"hang_after": n}` makes every
+    request after the n-th (and every probe) wait forever; `{"crash_after": n}` ends the process at the n-th.
+    """
+
+    def __init__(self, engine_id: str, cfg: TrainConfig, fault: dict[str, int] | None = None):
+        from relax_gym.trainer.loop import load_policy
+
+        self.engine_id = engine_id
+        self.engine = EmbeddedEngine(load_policy(cfg), max_batch_size=cfg.rollout.engine_max_batch_size,
+                                     seed=cfg.seed)
+        self.progress = Progress()
+        self.fault = dict(fault or {})
+        settle_heap()
+
+    def ready(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "pid": os.getpid(), "version": self.engine.weight_version}
+
+    async def _maybe_fail(self) -> None:
+        n = self.progress.done + self.progress.inflight
+        if "crash_after" in self.fault and n >= self.fault["crash_after"]:
+            os._exit(1)
+        if "hang_after" in self.fault and n > self.fault["hang_after"]:
+            await asyncio.Event().wait()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        self.progress.begin()
+        try:
+            await self._maybe_fail()
+            return await self.engine.generate(request)
+        finally:
+            self.progress.end()
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """Loads `weights` between batches (running ones finish first) and returns the version now loaded."""
+        await self.engine.pause()
+        try:
+            await self.engine.update_weights(weights, version)
+        finally:
+            await self.engine.resume()
+        return self.engine.weight_version
+
+    async def probe(self) -> bool:
+        """One greedy token, as SGLang's /health_generate: an engine that cannot produce it is not healthy."""
+        if "hang_after" in self.fault and self.progress.done + self.progress.inflight > self.fault["hang_after"]:
+            await asyncio.Event().wait()
+        request = GenerateRequest([self.engine.pad_token_id], SamplingParams(temperature=0, max_new_tokens=1))
+        await self.engine.generate(request)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.progress.stats(), "version": self.engine.weight_version}
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class RolloutWorker:
+    """A rollout manager and its env pools over an engine router: plays whole groups and returns them by value
+    (so a group outlives the worker that played it). The controller tells it which engines it may use."""
+
+    def __init__(self, worker_id: str, cfg: TrainConfig, engines: dict[str, Engine], *, engine_wait_s: float):
+        from relax_gym.trainer.loop import load_policy
+
+        self.worker_id = worker_id
+        loaded = load_policy(cfg)
+        r = cfg.rollout
+        self.router = EngineRouter(engines, wait_s=engine_wait_s)
+        self.epoch = -1
+        self.manager = RolloutManager(self.router, loaded, sampling=r.sampling_params(), limits=r.limits(),
+                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
+        self.eval_manager = RolloutManager(self.router, loaded, limits=r.limits(), max_concurrency=r.concurrency,
+                                           sampling=replace(r.sampling_params(), temperature=0.0))
+        self.progress = Progress()
+        settle_heap()
+
+    def ready(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "pid": os.getpid()}
+
+    def set_engines(self, epoch: int, engines: dict[str, Engine]) -> None:
+        """The engines routable from now on (an older epoch arriving late is ignored)."""
+        if epoch > self.epoch:
+            self.epoch = epoch
+            self.router.set_members(engines)
+
+    async def run_group(self, env_id: str, seed: int, group_size: int,
+                        env_kwargs: dict[str, Any]) -> list[Trajectory]:
+        self.progress.begin()
+        try:
+            return await self.manager.run_group(env_id, seed, group_size, env_kwargs=env_kwargs)
+        finally:
+            self.progress.end()
+
+    async def run_eval(self, env_id: str, n_tasks: int, seed: int, env_kwargs: dict[str, Any]) -> list[Trajectory]:
+        """Greedy episodes, one per task (held-out evaluation)."""
+        self.progress.begin()
+        try:
+            return await self.eval_manager.run(env_id, n_tasks, 1, seed=seed, env_kwargs=env_kwargs)
+        finally:
+            self.progress.end()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.progress.stats(), "failovers": self.router.failovers}
+
+    async def close(self) -> None:
+        await self.manager.close()
+        await self.eval_manager.close()
+
+
+class TrainerRank:
+    """Trainer rank 0: the training backend (torch) in its own process; the loop calls it like a local backend.
+
+    `fault` injects a deterministic failure for tests and the chaos benchmark: `{"crash_at_step": n}` ends the
+    process when asked to train step n, `{"raise_at_step": n}` raises there (a bug, not a lost process)."""
+
+    def __init__(self, cfg: TrainConfig, fault: dict[str, int] | None = None):
+        from relax_gym.trainer.loop import load_policy, make_backend
+
+        torch.manual_seed(cfg.seed)
+        self.backend = make_backend(cfg, load_policy(cfg))
+        self.fault = dict(fault or {})
+        settle_heap()
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "version": self.backend.version}
+
+    def get_version(self) -> int:
+        return self.backend.version
+
+    def set_version(self, version: int) -> None:
+        self.backend.version = version
+
+    def logprobs(self, samples: list[Sample], temperature: float, with_entropy: bool) -> list[LogprobOutput]:
+        return self.backend.logprobs(samples, temperature=temperature, with_entropy=with_entropy)
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, temperature: float) -> tuple[dict[str, float], int]:
+        step = self.backend.version + 1
+        if self.fault.get("crash_at_step") == step:
+            os._exit(1)
+        if self.fault.get("raise_at_step") == step:
+            raise ValueError(f"injected fault: raise_at_step={step}")
+        metrics = self.backend.train_step(samples, loss_fn, temperature=temperature)
+        return metrics, self.backend.version
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.backend.hf_state_dict()
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        self.backend.save_checkpoint(Path(path), extra)
+
+    def load_checkpoint(self, path: str) -> tuple[dict[str, Any], int]:
+        extra = self.backend.load_checkpoint(Path(path))
+        return extra, self.backend.version

@@ -1,0 +1,250 @@
+"""`ClusterTrainer`: the train loop with its roles as Ray actors (the config's `cluster:` section).
+
+The loop, the data bus, the task ledger, checkpoints and the run log are the in-process `Trainer`'s, unchanged:
+this process is the controller. What changes is the transport of each role: engines are `EngineService`
+actors behind an `ActorFleet`, groups are played by `RolloutWorker` actors through a `WorkerPool`, and the
+backend is trainer rank 0's actor behind a `RemoteBackend`. So with `max_staleness: 0` a cluster run trains on
+the same batches, and reaches the same losses, as the in-process run (the parity test ties the two).
+
+Recovery: engines and workers are replaced by the `HealthMonitor` while training goes on; a lost trainer rank
+restarts the loop from the last checkpoint (the same path as a resumed run: weights, optimizer, task ledger,
+data-bus counters, metrics truncated after it, weights republished before any new group is admitted), within
+`max_trainer_restarts`; past it, or on an error that is not a lost process, the run stops with the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from relax_gym.errors import RunStopped, StartupError
+from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
+from relax_gym.trainer.cluster.fleet import ActorFleet
+from relax_gym.trainer.cluster.health import HealthMonitor
+from relax_gym.trainer.cluster.ray_handles import RayEngineClient, RemoteBackend, TrainerLost, call
+from relax_gym.trainer.cluster.roles import TrainerRank
+from relax_gym.trainer.cluster.scale import ScaleManager
+from relax_gym.trainer.cluster.workers import WorkerPool
+from relax_gym.trainer.config import TrainConfig
+from relax_gym.trainer.databus import Group
+from relax_gym.trainer.loop import EVAL_SEED_OFFSET, Trainer
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Faults:
+    """Deterministic failures to inject (tests and `benchmarks/chaos.py`), each into a role's first incarnation:
+    `engines` / `workers` by id (see `EngineService` and `WorkerPool`), `trainer` into the first
+    `trainer_times` trainer ranks (see `TrainerRank`)."""
+
+    engines: dict[str, dict[str, int]] = field(default_factory=dict)
+    workers: dict[str, dict[str, int]] = field(default_factory=dict)
+    trainer: dict[str, int] | None = None
+    trainer_times: int = 1
+
+
+class ClusterTrainer(Trainer):
+    """A run whose engines, rollout workers and trainer rank are Ray actors; this process is the controller.
+
+    `on_step(self)` (tests, the chaos benchmark) is awaited after each logged step: a place to kill roles.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, faults: Faults | None = None,
+                 on_step: Callable[[ClusterTrainer], Awaitable[None]] | None = None):
+        if cfg.cluster is None:
+            raise ValueError("ClusterTrainer needs the config's cluster section")
+        self.cluster = cfg.cluster
+        self.faults = faults or Faults()
+        self.on_step = on_step
+        super().__init__(cfg)
+
+    def _build_roles(self) -> None:
+        """Nothing starts here: the actors are created in `_connect`, inside the run."""
+        self.trainer_restarts = 0
+        self.trainer_restart_times: deque[float] = deque()
+        self._owns_ray = False
+        self._trainer_actor: Any = None
+        self._monitor_task: asyncio.Task | None = None
+        self.control: ControlServer | None = None
+
+    # --- roles ------------------------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> None:
+        self.log.event(self.step, kind, **fields)
+
+    def _engines_view(self) -> tuple[int, dict[str, RayEngineClient]]:
+        return self.fleet.epoch, self.fleet.active()
+
+    async def _connect(self) -> None:
+        """Starts (or joins) the Ray cluster, then the trainer rank, the engines (synced to its initial weights
+        before they serve) and the rollout workers; anything that cannot start stops the run here."""
+        t0 = time.perf_counter()
+        try:
+            self._start_ray()
+            self.fleet = ActorFleet(self.cfg, on_change=self._engines_changed, event=self.event,
+                                     status=self.status, faults=self.faults.engines)
+            self.workers = WorkerPool(self.cfg, engines=self._engines_view, event=self.event,
+                                      faults=self.faults.workers)
+            await self._start_trainer()
+            await self.fleet.start(self.cluster.engines.count)
+            await self._publish()
+            await self.workers.start(self.cluster.rollout_workers.count)
+        except BaseException as err:
+            await self._close_engine()
+            self.log.close(plot=False)
+            self._abandon()
+            if isinstance(err, Exception) and not isinstance(err, StartupError | RunStopped):
+                raise StartupError(f"cluster: the roles could not start: {type(err).__name__}: {err}") from None
+            raise
+        self.monitor = HealthMonitor(self.fleet, self.workers, self.cluster.health,
+                                     episode_timeout_s=self.cfg.rollout.episode_timeout_s, event=self.event)
+        self._monitor_task = asyncio.create_task(self.monitor.run())
+        self.log.note(f"cluster: {len(self.fleet.slots)} engines, {len(self.workers.slots)} rollout workers and the "
+                      f"trainer rank started in {time.perf_counter() - t0:.1f} s")
+        if self.cluster.control.enabled:
+            await self._start_control()
+
+    async def _start_control(self) -> None:
+        """The elastic-rollout control API, in this loop (where the fleet lives), behind a bearer token."""
+        c = self.cluster.control
+        self.scaler = ScaleManager(self.fleet)
+        token = resolve_control_token(self.run_dir, c.token)
+        self.control = ControlServer(create_control_app(self.fleet, self.scaler, token), host=c.host, port=c.port,
+                                     run_dir=self.run_dir)
+        url = await self.control.start()
+        self.log.note(f"cluster: control API at {url} (relax-gym cluster status --run-dir {self.run_dir})")
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        c = self.cluster
+        num_cpus = None if c.address else (c.num_cpus or max(8, os.cpu_count() or 1))
+        ray.init(address=c.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        self._owns_ray = True
+
+    async def _engines_changed(self, epoch: int, members: dict[str, RayEngineClient]) -> None:
+        if hasattr(self, "workers"):
+            await self.workers.set_engines(epoch, members)
+
+    async def _start_trainer(self) -> None:
+        fault = None
+        if self.faults.trainer and self.faults.trainer_times > 0:
+            fault = self.faults.trainer
+            self.faults.trainer_times -= 1
+        t = self.cluster.trainer
+        options: dict[str, Any] = {"num_cpus": t.num_cpus, "max_restarts": 0, "max_task_retries": 0}
+        if t.num_gpus:
+            options["num_gpus"] = t.num_gpus
+        self._trainer_actor = ray.remote(TrainerRank).options(**options).remote(self.cfg, fault)
+        info = await asyncio.wait_for(call(self._trainer_actor.ready), START_TIMEOUT_S)
+        self.backend = RemoteBackend(self._trainer_actor, version=int(info["version"]))
+
+    async def _publish(self) -> None:
+        state = await asyncio.to_thread(self.backend.hf_state_dict)
+        await self.fleet.publish(state, self.backend.version)
+
+    async def _push_weights(self) -> None:
+        """Trained weights to every ACTIVE engine; engines that fail it are replaced by the health manager and
+        sync to these weights before they serve again."""
+        await self._publish()
+
+    async def run_task(self, task: int) -> Group:
+        env_id, kwargs = self.env_for(task)
+        return await self.workers.run_group(env_id, self.task_seed(task), self.cfg.rollout.group_size, kwargs)
+
+    async def evaluate(self, version: int) -> dict[str, float]:
+        cfg = self.cfg
+        results = {}
+        for env_id, env in zip(self.env_ids, cfg.envs, strict=True):
+            kwargs = {**env.kwargs, **env.eval_kwargs}
+            results[env_id] = await self.workers.run_eval(env_id, cfg.trainer.eval_tasks, EVAL_SEED_OFFSET, kwargs)
+        return self.log.eval(version, results)
+
+    def status(self) -> dict[str, Any]:
+        """The run as the control API's /v1/status reports it."""
+        bus = self.bus.state() if self.bus is not None else {}
+        return {"step": self.step, "trainer_version": self.step, "total_steps": self.cfg.trainer.total_steps,
+                "bus": {**bus, "staleness_histogram": {str(k): v for k, v in bus.get("staleness_histogram",
+                                                                                      {}).items()}},
+                "trainer_restarts": self.trainer_restarts}
+
+    def role_counters(self) -> dict[str, Any]:
+        routers = [s.stats.get("failovers", 0) for s in self.workers.slots.values()]
+        return {"cluster/published_version": self.fleet.published_version,
+                "cluster/engines_active": len(self.fleet.active()),
+                "cluster/engine_failovers": sum(routers),
+                "cluster/lost_worker_calls": self.workers.lost_calls,
+                "cluster/probe_failures": self.monitor.probe_failures,
+                "cluster/engine_restarts": sum(len(s.restarts) for s in self.fleet.slots.values()),
+                "cluster/worker_restarts": sum(len(s.restarts) for s in self.workers.slots.values()),
+                "cluster/trainer_restarts": self.trainer_restarts}
+
+    async def _after_step(self) -> None:
+        if self.on_step is not None:
+            await self.on_step(self)
+
+    # --- trainer restarts -------------------------------------------------------------
+    async def _train(self) -> None:
+        """The loop; a lost trainer rank restarts it from the last checkpoint, `max_trainer_restarts` times."""
+        while True:
+            try:
+                await super()._train()
+                return
+            except TrainerLost as err:
+                await self._restart_trainer(str(err))
+
+    async def _restart_trainer(self, reason: str) -> None:
+        budget = self.cluster.health.max_trainer_restarts
+        lost_at = self.step
+        if self.trainer_restarts >= budget:
+            ray.kill(self._trainer_actor)
+            self._trainer_actor = None
+            raise RunStopped(f"the trainer rank was lost at step {lost_at} ({reason}) after {self.trainer_restarts} "
+                             f"restarts (cluster.health.max_trainer_restarts={budget}); the run stopped at its last "
+                             f"checkpoint (step {self.checkpoints.latest_step()}): rerun to resume")
+        self.trainer_restarts += 1
+        started = time.perf_counter()
+        ray.kill(self._trainer_actor)
+        # everything after the last checkpoint is forgotten, as a resumed run forgets it
+        self.step = 0
+        self.next_task = 0
+        self.unfinished = {}
+        self.reissue = deque()
+        self.bus = None
+        self._bus_state = None
+        self.filtered = 0
+        self.steps_without_samples = 0
+        await self._start_trainer()
+        if not self.checkpoints.latest_step():  # no checkpoint: start over from the initial weights
+            self.log.truncate_after(0)
+            await self._publish()
+        self.event("trainer_restarted", reason=reason, lost_at_step=lost_at,
+                   resumes_from_step=self.checkpoints.latest_step(), restarts=self.trainer_restarts,
+                   time_to_recover_s=round(time.perf_counter() - started, 3))
+
+    def _checkpoint(self) -> None:
+        if self._trainer_actor is not None:  # a lost trainer's state is gone; its last checkpoint stands
+            super()._checkpoint()
+
+    # --- shutting down ----------------------------------------------------------------
+    async def _close_engine(self) -> None:
+        if self.control is not None:
+            await self.control.stop()
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            await asyncio.gather(self._monitor_task, return_exceptions=True)
+            await self.monitor.close()
+        for role in ("workers", "fleet"):
+            if hasattr(self, role):
+                await getattr(self, role).shutdown()
+        if self._trainer_actor is not None:
+            ray.kill(self._trainer_actor)
+        if self._owns_ray:
+            ray.shutdown()

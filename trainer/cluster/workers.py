@@ -1,0 +1,157 @@
+"""The rollout workers: actors that play groups, and the controller-side pool that hands them tasks.
+
+A task's group comes back by value as the call's result, so the controller owns it the moment it exists and a
+worker dying afterwards cannot take it along (an ObjectRef owned by the worker would raise OwnerDiedError). A
+worker that dies with tasks in flight loses only those calls: each task is played again at once on a live
+worker (the front of the queue), and the data bus counted it as started once, so it is neither skipped nor
+trained twice. A dead worker is recreated within its restart budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from relax_gym.errors import RunStopped
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
+from relax_gym.trainer.cluster.roles import RolloutWorker
+from relax_gym.trainer.config import TrainConfig
+from relax_gym.trajectory import Trajectory
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: str
+    actor: Any
+    inflight: int = 0
+    alive: bool = False
+    #: dead with its restart budget spent: never recreated
+    retired: bool = False
+    incarnation: int = 0
+    restarts: deque[float] = field(default_factory=deque)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkerPool:
+    """M rollout-worker actors; `run_group` is the loop's `run_task` transport."""
+
+    def __init__(self, cfg: TrainConfig, *, engines: Callable[[], tuple[int, dict[str, RayEngineClient]]],
+                 event: Callable[..., None], faults: dict[str, dict[str, int]] | None = None):
+        assert cfg.cluster is not None
+        self.cfg = cfg
+        self.cluster = cfg.cluster
+        self._engines = engines
+        self._event = event
+        self.slots: dict[str, WorkerSlot] = {}
+        self._live = asyncio.Condition()
+        self.lost_calls = 0  # group calls a dead worker took with it (each played again elsewhere)
+        #: faults to inject by worker id into its first incarnation (tests, chaos runs): {"exit_after_s": s}
+        self.faults = dict(faults or {})
+
+    def _spawn(self, worker_id: str) -> Any:
+        epoch, members = self._engines()
+        actor: Any = ray.remote(RolloutWorker).options(
+            num_cpus=self.cluster.rollout_workers.num_cpus, max_restarts=0, max_task_retries=0, max_concurrency=1000,
+        ).remote(worker_id, self.cfg, members, engine_wait_s=self.cluster.health.engine_wait_s)
+        actor.set_engines.remote(epoch, members)
+        return actor
+
+    async def _bring_up(self, slot: WorkerSlot) -> None:
+        await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+        epoch, members = self._engines()  # engines may have changed while it was starting
+        await call(slot.actor.set_engines, epoch, members)
+        async with self._live:
+            slot.alive = True
+            self._live.notify_all()
+        fault = self.faults.pop(slot.worker_id, None)
+        if fault and "exit_after_s" in fault:
+            asyncio.get_running_loop().call_later(fault["exit_after_s"], ray.kill, slot.actor)
+
+    async def start(self, count: int) -> None:
+        for i in range(count):
+            wid = f"rollout-{i}"
+            self.slots[wid] = WorkerSlot(wid, self._spawn(wid))
+        await asyncio.gather(*(self._bring_up(s) for s in self.slots.values()))
+
+    async def set_engines(self, epoch: int, members: dict[str, RayEngineClient]) -> None:
+        """Every live worker routes over these engines from now on."""
+        await asyncio.gather(*(call(s.actor.set_engines, epoch, members) for s in self.slots.values() if s.alive),
+                             return_exceptions=True)  # a dead worker learns them when it is recreated
+
+    async def _pick(self) -> WorkerSlot:
+        async with self._live:
+            await self._live.wait_for(lambda: any(s.alive for s in self.slots.values())
+                                      or all(s.retired for s in self.slots.values()))
+            live = [s for s in self.slots.values() if s.alive]
+            if not live:
+                h = self.cluster.health
+                raise RunStopped(f"every rollout worker died and their restart budget (cluster.health."
+                                 f"worker_restarts={h.worker_restarts} per {h.restart_window_s:g} s) is spent")
+            return min(live, key=lambda s: (s.inflight, s.worker_id))
+
+    async def _run(self, method: str, *args: Any) -> list[Trajectory]:
+        """The call on the least-loaded live worker; played again elsewhere if that worker dies meanwhile."""
+        while True:
+            slot = await self._pick()
+            incarnation = slot.incarnation
+            slot.inflight += 1
+            try:
+                result: list[Trajectory] = await call(getattr(slot.actor, method), *args)
+                return result
+            except ACTOR_GONE as err:
+                self.lost_calls += 1
+                if slot.incarnation == incarnation and slot.alive:
+                    await self.lost(slot.worker_id, f"{type(err).__name__} during {method}")
+            finally:
+                slot.inflight -= 1
+
+    async def run_group(self, env_id: str, seed: int, group_size: int,
+                        env_kwargs: dict[str, Any]) -> list[Trajectory]:
+        return await self._run("run_group", env_id, seed, group_size, env_kwargs)
+
+    async def run_eval(self, env_id: str, n_tasks: int, seed: int, env_kwargs: dict[str, Any]) -> list[Trajectory]:
+        return await self._run("run_eval", env_id, n_tasks, seed, env_kwargs)
+
+    async def lost(self, worker_id: str, reason: str) -> None:
+        """A worker died or stalled: kill it, and recreate it within its budget. No live worker left and no
+        budget to make one stops the run (nothing could play its tasks)."""
+        slot = self.slots[worker_id]
+        slot.alive = False
+        slot.incarnation += 1
+        ray.kill(slot.actor)
+        h = self.cluster.health
+        now = time.monotonic()
+        while slot.restarts and now - slot.restarts[0] > h.restart_window_s:
+            slot.restarts.popleft()
+        if len(slot.restarts) >= h.worker_restarts:
+            self._event("worker_dead", worker_id=worker_id, reason=reason, note="restart budget spent")
+            await self._retire(slot)
+            return
+        slot.restarts.append(now)
+        started = time.monotonic()
+        slot.actor = self._spawn(worker_id)
+        try:
+            await self._bring_up(slot)
+        except (*ACTOR_GONE, TimeoutError) as err:
+            self._event("worker_restart_failed", worker_id=worker_id, reason=f"{type(err).__name__}: {err}")
+            await self._retire(slot)
+            return
+        self._event("worker_restarted", worker_id=worker_id, reason=reason,
+                    time_to_recover_s=round(time.monotonic() - started, 3))
+
+    async def _retire(self, slot: WorkerSlot) -> None:
+        async with self._live:
+            slot.retired = True
+            self._live.notify_all()  # a task waiting for a live worker learns there may be none
+
+    async def shutdown(self) -> None:
+        for slot in self.slots.values():
+            ray.kill(slot.actor)
