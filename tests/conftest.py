@@ -22,3 +22,12 @@ def container_sandbox() -> Iterator[Sandbox]:
         pytest.skip(f"no container engine: {exc}")
     yield sandbox
     sandbox.close()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for every test that needs it (starting one costs seconds); skips without Ray."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

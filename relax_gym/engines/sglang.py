@@ -106,6 +106,10 @@ def _version(value: Any, fallback: int) -> int:
     return fallback
 
 
+def _client_of(base_url: str, settings: dict[str, Any]) -> SGLangEngine:
+    return SGLangEngine(base_url, **settings)
+
+
 class SGLangEngine:
     """An httpx client of one SGLang(-compatible) server at `base_url`."""
 
@@ -135,6 +139,9 @@ class SGLangEngine:
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
         api_key = api_key if api_key is not None else api_key_from_env()
+        self._settings = {"timeout_s": timeout_s, "outage_timeout_s": outage_timeout_s, "backoff_s": backoff_s,
+                          "max_backoff_s": max_backoff_s, "retries": retries, "max_connections": max_connections,
+                          "api_key": api_key}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
@@ -142,6 +149,11 @@ class SGLangEngine:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A pickled client is a fresh client of the same server with the same settings (a rollout worker gets
+        its engines' clients this way); its connections and outage state stay with the original."""
+        return (_client_of, (self.base_url, self._settings))
 
     @property
     def weight_version(self) -> int:

@@ -16,8 +16,14 @@ class _Strict(BaseModel):
 
 
 class EnginesSection(_Strict):
-    """The inference engines, one Ray actor each (the embedded transformers engine inside)."""
+    """The inference engines, one Ray actor each (the embedded transformers engine inside).
 
+    `kind: embedded` serves rollout workers through actor calls; `kind: serve` has each actor serve SGLang's
+    native HTTP routes (`relax-gym serve`'s app), which workers call as they would an SGLang server."""
+
+    kind: Literal["embedded", "serve"] = "embedded"
+    #: where a served engine listens: default loopback on a local cluster, the node's address on a joined one
+    host: str | None = None
     count: int = Field(2, ge=1)
     num_cpus: float = Field(0.5, ge=0)
     num_gpus: float = Field(0, ge=0)
@@ -82,7 +88,9 @@ class ClusterSection(_Strict):
     engines: EnginesSection = Field(default_factory=EnginesSection)
     rollout_workers: WorkersSection = Field(default_factory=WorkersSection)
     trainer: TrainerRanksSection = Field(default_factory=TrainerRanksSection)
-    #: how trained weights reach the engines: through Ray's object store (engine actors)
-    weight_sync: Literal["object_store"] = "object_store"
+    #: how trained weights reach the engines: Ray's object store (engine actors load them in-process), or disk
+    #: (the trainer rank writes RUN_DIR/weights/vN, engines load it; needs a file system they share; the only
+    #: way to external servers registered by URL)
+    weight_sync: Literal["object_store", "disk"] = "object_store"
     health: HealthSection = Field(default_factory=HealthSection)
     control: ControlSection = Field(default_factory=ControlSection)

@@ -179,15 +179,16 @@ def resolve_control_token(run_dir: Path, configured: str | None) -> str:
     return token
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: Ctrl-C and SIGTERM belong to the training run, not its control API."""
+class LoopServer(uvicorn.Server):
+    """uvicorn inside a running event loop, without its signal handlers: Ctrl-C and SIGTERM belong to the process
+    hosting it (the training run, an engine actor), not to the server."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int) -> socket.socket:
     """A listening socket: bound here, so a taken port is an OSError to the caller (uvicorn would `sys.exit`)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
@@ -216,7 +217,7 @@ class ControlServer:
         self.port = port
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_timeout_s = start_timeout_s
-        self._server: _EmbeddedServer | None = None
+        self._server: LoopServer | None = None
         self._task: asyncio.Task[None] | None = None
         self._url: str | None = None
 
@@ -235,13 +236,13 @@ class ControlServer:
         if not is_loopback(self.host):
             logger.warning("control API on %s: reachable beyond this machine over plain HTTP, so its token travels "
                            "in clear; put TLS (a reverse proxy) or an SSH tunnel in front", self.host)
-        sock = _bind(self.host, self.port)
+        sock = bind_listener(self.host, self.port)
         bound_host, port = sock.getsockname()[:2]
         # log_config=None: uvicorn's records go through the run's logging instead of handlers of its own
         config = uvicorn.Config(self.app, host=self.host, port=port, log_level="warning", log_config=None,
                                 access_log=False, lifespan="off", http=protocol_class(READ_TIMEOUT_S),
                                 limit_concurrency=MAX_CONNECTIONS)
-        server = self._server = _EmbeddedServer(config)
+        server = self._server = LoopServer(config)
 
         async def serve() -> None:
             try:

@@ -10,24 +10,30 @@ so it never serves a version older than the others. Publication, recovery and sc
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from relax_gym.engines.base import EngineError
+from relax_gym.engines.base import Engine, EngineError
+from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
+from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
 from relax_gym.trainer.cluster.roles import EngineService
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
 from relax_gym.trainer.config import TrainConfig
 
-#: how long a new engine may take to build its model and answer
+#: how long a new engine may take to build its model and answer (and one weight load)
 START_TIMEOUT_S = 300.0
+#: weight folders kept by the disk strategy: the newest (for joining engines) and the one before
+KEEP_FOLDERS = 2
 
 
 class EngineStartError(EngineError):
@@ -36,11 +42,15 @@ class EngineStartError(EngineError):
 
 @dataclass
 class EngineSlot:
+    """One engine: `actor` is None for an external server registered by URL (`kind` http)."""
+
     engine_id: str
+    kind: str  # embedded | serve | http
     actor: Any
-    client: RayEngineClient
+    client: Engine
     state: EngineState
     initial: bool
+    url: str | None = None
     added_at: float = field(default_factory=time.time)
     version: int = -1
     #: dead with its restart budget spent: never recreated
@@ -58,9 +68,9 @@ class ActorFleet:
     to every rollout worker); `event(kind, **fields)` records what happened (the run's event log).
     """
 
-    def __init__(self, cfg: TrainConfig, *, on_change: Callable[[int, dict[str, RayEngineClient]], Awaitable[None]],
+    def __init__(self, cfg: TrainConfig, *, on_change: Callable[[int, dict[str, Engine]], Awaitable[None]],
                  event: Callable[..., None], status: Callable[[], dict[str, Any]] | None = None,
-                 faults: dict[str, dict[str, int]] | None = None):
+                 faults: dict[str, dict[str, int]] | None = None, api_key: str = ""):
         assert cfg.cluster is not None
         self.cfg = cfg
         self.cluster: ClusterSection = cfg.cluster
@@ -76,13 +86,17 @@ class ActorFleet:
         self._status = status or (lambda: {})
         #: faults to inject by engine id, given to that engine's first incarnation only (tests, chaos runs)
         self.faults = dict(faults or {})
+        #: the bearer token of served engines (`kind: serve`), and of external servers unless they need another
+        self.api_key = api_key
+        #: the disk strategy's folders, oldest first (the newest is what a joining engine loads)
+        self.folders: deque[Path] = deque()
 
     # --- views ------------------------------------------------------------------------
-    def active(self) -> dict[str, RayEngineClient]:
+    def active(self) -> dict[str, Engine]:
         return {i: s.client for i, s in self.slots.items() if s.state == "ACTIVE"}
 
     def engines(self) -> list[EngineView]:
-        return [EngineView(engine_id=s.engine_id, kind="embedded", url=None, state=s.state, version=s.version,
+        return [EngineView(engine_id=s.engine_id, kind=s.kind, url=s.url, state=s.state, version=s.version,
                            inflight=int(s.stats.get("inflight", 0)), served=int(s.stats.get("done", 0)),
                            initial=s.initial, added_at=s.added_at)
                 for s in self.slots.values() if s.state != "REMOVED"]
@@ -115,40 +129,79 @@ class ActorFleet:
         step = "STARTING"
         try:
             enter("STARTING")
-            await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+            if slot.actor is None:
+                await asyncio.wait_for(slot.client.connect(), START_TIMEOUT_S)
+            else:
+                await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+                if slot.kind == "serve":
+                    slot.url = await call(slot.actor.serve_http, self._host(), self.api_key)
+                    slot.client = member_client(slot.url, self.api_key)
             step = "HEALTH_CHECKING"
             enter("HEALTH_CHECKING")
-            await asyncio.wait_for(call(slot.actor.probe), self.cluster.health.probe_timeout_s)
+            if not await asyncio.wait_for(self.probe(slot), self.cluster.health.probe_timeout_s):
+                raise EngineStartError("its probe failed")
             step = "WEIGHT_SYNCING"
             enter("WEIGHT_SYNCING")
             async with self.lock:  # no publication slips past: the engine gets exactly the published version
                 if self.published is not None:
-                    slot.version = await call(slot.actor.update_weights, self.published, self.published_version)
+                    slot.version = await self._load(slot, self.published, self.published_version)
                 else:
                     slot.version = self.published_version
                 enter("ACTIVE")
                 await self._changed()
         except asyncio.CancelledError:
-            ray.kill(slot.actor)
+            self._end(slot)
             slot.state = "DEAD"
             raise
         except Exception as err:
-            ray.kill(slot.actor)
+            self._end(slot)
             slot.state = "DEAD"
             why = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
             raise EngineStartError(f"engine {slot.engine_id} failed at {step}: {why}") from None
 
+    def _host(self) -> str:
+        """Where served engines listen: the configured host, else loopback on a local cluster and this node's
+        address on a joined one (rollout workers may run on other nodes)."""
+        if self.cluster.engines.host:
+            return self.cluster.engines.host
+        return ray.util.get_node_ip_address() if self.cluster.address else "127.0.0.1"
+
+    @staticmethod
+    def _end(slot: EngineSlot) -> None:
+        if slot.actor is not None:
+            ray.kill(slot.actor)
+
+    async def probe(self, slot: EngineSlot) -> bool:
+        """One greedy token from an engine actor; an external server's /health (SGLang's generates a token)."""
+        if slot.actor is None:
+            return await slot.client.health()
+        return bool(await call(slot.actor.probe))
+
+    async def _load(self, slot: EngineSlot, weights: Any, version: int) -> int:
+        """`weights` (an object-store ref or a folder) into one engine; returns the version it then holds."""
+        if slot.actor is None:
+            await slot.client.update_weights(weights, version)
+            return version
+        return int(await call(slot.actor.update_weights, weights, version))
+
     async def add_engine(self, url: str | None = None,
                          on_state: Callable[[EngineState], None] | None = None) -> str:
-        """A new engine actor, synced to the published weights before it is routable; returns its id."""
-        if url is not None:
-            raise EngineStartError("registering external engine servers by URL needs the disk or distributed "
-                                   "weight sync; this run publishes through the object store to engine actors")
-        engine_id = f"engine-{self._next_id}"
+        """A new engine actor, or the external server at `url`, synced to the published weights before it is
+        routable; returns its id."""
+        if url is not None and self.cluster.weight_sync != "disk":
+            raise EngineStartError(f"registering the external server {url} needs cluster.weight_sync=disk (a "
+                                   f"shared file system it loads weights from); this run uses "
+                                   f"{self.cluster.weight_sync}")
+        engine_id = f"engine-{self._next_id}" if url is None else f"ext-{self._next_id}"
         self._next_id += 1
-        actor = self._spawn(engine_id)
-        slot = EngineSlot(engine_id, actor, RayEngineClient(engine_id, actor), "STARTING",
-                          initial=not self.slots and not self.published)
+        if url is None:
+            actor = self._spawn(engine_id)
+            slot = EngineSlot(engine_id, self.cluster.engines.kind, actor, RayEngineClient(engine_id, actor),
+                              "STARTING", initial=not self.slots and not self.published)
+        else:
+            # its own key: $RELAX_GYM_API_KEY (read here, where the operator set it), never the served engines'
+            slot = EngineSlot(engine_id, "http", None, member_client(url, None), "STARTING", initial=False,
+                              url=url.rstrip("/"))
         self.slots[engine_id] = slot
         started = time.monotonic()
         await self._bring_up(slot, on_state)
@@ -173,6 +226,10 @@ class ActorFleet:
         slot.state = "DEAD"
         if was_active:
             await self._changed()  # routers stop choosing it now; its in-flight calls fail over when it dies
+        if slot.actor is None:  # an external server is not ours to restart
+            slot.retired = True
+            self._event("engine_dead", engine_id=engine_id, reason=reason, url=slot.url, note="external server")
+            return False
         ray.kill(slot.actor)
         now = time.monotonic()
         while slot.restarts and now - slot.restarts[0] > window_s:
@@ -187,6 +244,7 @@ class ActorFleet:
         await asyncio.sleep(delay)
         slot.actor = self._spawn(engine_id)
         slot.client = RayEngineClient(engine_id, slot.actor)
+        slot.url = None
         started = time.monotonic()
         try:
             await self._bring_up(slot, None)
@@ -198,15 +256,24 @@ class ActorFleet:
         return True
 
     # --- publishing -------------------------------------------------------------------
-    async def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        """`state_dict` at `version` to every ACTIVE engine (one object-store copy for all); returns how many
-        acknowledged. An engine that fails is DEAD (the health manager replaces it); the others go on."""
+    async def publish(self, weights: dict[str, torch.Tensor] | Path, version: int) -> int:
+        """`weights` at `version` to every ACTIVE engine: a state dict goes through the object store (one copy
+        for all), a folder is loaded from disk (older folders are pruned, the newest kept for joining engines).
+        Returns how many acknowledged. An engine that fails is DEAD (the health manager replaces it); the others
+        go on."""
         async with self.lock:
-            ref = ray.put(state_dict)
+            published: Any = weights
+            if isinstance(weights, Path):
+                self.folders.append(weights)
+            else:
+                published = ray.put(weights)
             slots = [s for s in self.slots.values() if s.state == "ACTIVE"]
-            results = await asyncio.gather(*(call(s.actor.update_weights, ref, version) for s in slots),
-                                           return_exceptions=True)
-            self.published, self.published_version = ref, version
+            results = await asyncio.gather(
+                *(asyncio.wait_for(self._load(s, published, version), START_TIMEOUT_S) for s in slots),
+                return_exceptions=True)
+            self.published, self.published_version = published, version
+            while len(self.folders) > KEEP_FOLDERS:
+                shutil.rmtree(self.folders.popleft(), ignore_errors=True)
             failed = False
             for slot, result in zip(slots, results, strict=True):
                 if isinstance(result, BaseException):
@@ -230,7 +297,7 @@ class ActorFleet:
             slot.state = "DRAINING"
             await self._changed()
         deadline = time.monotonic() + timeout_s
-        while True:
+        while slot.actor is not None:  # an external server reports no progress: it is given the timeout
             try:
                 stats = await asyncio.wait_for(call(slot.actor.stats), 10.0)
             except (*ACTOR_GONE, TimeoutError):
@@ -239,6 +306,8 @@ class ActorFleet:
             if stats["inflight"] == 0 or time.monotonic() >= deadline:
                 return int(stats["inflight"])
             await asyncio.sleep(0.05)
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        return 0
 
     async def remove_engine(self, engine_id: str) -> None:
         """Ends the engine: what it still runs fails over in the routers. REMOVED is never revived."""
@@ -248,10 +317,19 @@ class ActorFleet:
         if was_active:
             async with self.lock:
                 await self._changed()
-        ray.kill(slot.actor)
+        self._end(slot)
         self._event("engine_removed", engine_id=engine_id)
 
     async def shutdown(self) -> None:
         for slot in self.slots.values():
             if slot.state != "REMOVED":
-                ray.kill(slot.actor)
+                self._end(slot)
+            if slot.actor is None:
+                await slot.client.close()
+
+
+def member_client(url: str, api_key: str | None) -> SGLangEngine:
+    """A router member for an engine server: a short outage budget, so a dead server fails over at once (the
+    router's own wait bounds the whole outage). `api_key` None: $RELAX_GYM_API_KEY."""
+    return SGLangEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, max_connections=None,
+                        api_key=api_key)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from relax_gym.trainer.cluster.config import HealthSection
-from relax_gym.trainer.cluster.fleet import ActorFleet
+from relax_gym.trainer.cluster.fleet import ActorFleet, EngineSlot
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, call
 from relax_gym.trainer.cluster.workers import WorkerPool
 
@@ -65,6 +65,12 @@ class HealthMonitor:
         except (*ACTOR_GONE, TimeoutError) as err:
             return err
 
+    async def _answers(self, slot: EngineSlot) -> bool:
+        try:
+            return await asyncio.wait_for(self.fleet.probe(slot), self.h.probe_timeout_s)
+        except Exception:
+            return False
+
     async def _probe(self, actor: Any) -> bool:
         try:
             await asyncio.wait_for(call(actor.probe), self.h.probe_timeout_s)
@@ -73,9 +79,13 @@ class HealthMonitor:
             return False
 
     async def check_engines(self) -> None:
-        slots = [s for s in self.fleet.slots.values() if s.state in ("ACTIVE", "DRAINING")]
+        watched = [s for s in self.fleet.slots.values() if s.state in ("ACTIVE", "DRAINING")]
+        external = [s for s in watched if s.actor is None]  # no progress view: an answer to /health is the test
+        answers = await asyncio.gather(*(self._answers(s) for s in external))
+        dead = [s.engine_id for s, ok in zip(external, answers, strict=True) if not ok]
+        slots = [s for s in watched if s.actor is not None]
         results = await asyncio.gather(*(self._stats(s.actor) for s in slots))
-        dead, suspects = [], []
+        suspects = []
         for slot, result in zip(slots, results, strict=True):
             if isinstance(result, ACTOR_GONE):
                 dead.append(slot.engine_id)

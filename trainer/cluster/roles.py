@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,6 +70,30 @@ class EngineService:
     def ready(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "pid": os.getpid(), "version": self.engine.weight_version}
 
+    async def serve_http(self, host: str, api_key: str) -> str:
+        """Serves the engine over SGLang's native routes (`relax-gym serve`'s app) from this process, on a free
+        port of `host`, and returns its URL: rollout workers then reach it over HTTP, as they would an SGLang
+        server, and the server dies with the actor."""
+        import uvicorn
+
+        from relax_gym.engines.server import create_app, uvicorn_config
+        from relax_gym.engines.server_limits import ServerLimits
+        from relax_gym.trainer.cluster.control_api import LoopServer, bind_listener
+
+        limits = ServerLimits()
+        app = create_app(cast(EmbeddedEngine, _Counted(self.engine, self)), api_key=api_key, limits=limits)
+        sock = bind_listener(host, 0)
+        port = sock.getsockname()[1]
+        config: uvicorn.Config = uvicorn_config(app, host, port, limits, log_level="warning")
+        server = LoopServer(config)
+        self._server_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if self._server_task.done():
+                self._server_task.result()
+                raise RuntimeError("the engine's HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return f"http://{host}:{port}"
+
     async def _maybe_fail(self) -> None:
         n = self.progress.done + self.progress.inflight
         if "crash_after" in self.fault and n >= self.fault["crash_after"]:
@@ -107,6 +131,26 @@ class EngineService:
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+class _Counted:
+    """The engine as the HTTP app sees it, with every generation counted in its service's progress (the health
+    manager's view of an engine served over HTTP) and faults injected as for actor calls."""
+
+    def __init__(self, engine: EmbeddedEngine, service: EngineService):
+        self._engine = engine
+        self._service = service
+
+    async def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> GenerateOutput:
+        self._service.progress.begin()
+        try:
+            await self._service._maybe_fail()
+            return await self._engine.generate(request, timeout_s=timeout_s)
+        finally:
+            self._service.progress.end()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 class RolloutWorker:
@@ -171,7 +215,8 @@ class TrainerRank:
         from relax_gym.trainer.loop import load_policy, make_backend
 
         torch.manual_seed(cfg.seed)
-        self.backend = make_backend(cfg, load_policy(cfg))
+        self.loaded = load_policy(cfg)
+        self.backend = make_backend(cfg, self.loaded)
         self.fault = dict(fault or {})
         settle_heap()
 
@@ -198,6 +243,14 @@ class TrainerRank:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_state_dict()
+
+    def save_weights(self, folder: str) -> None:
+        """The current weights as an HF folder an engine loads (`cluster.weight_sync: disk`)."""
+        from relax_gym.models.loading import save_pretrained_folder
+
+        loaded = self.loaded
+        save_pretrained_folder(Path(folder), loaded.model, loaded.processor or loaded.tokenizer,
+                               state_dict=self.backend.hf_state_dict())
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         self.backend.save_checkpoint(Path(path), extra)

@@ -16,19 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 
+from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
-from relax_gym.trainer.cluster.ray_handles import RayEngineClient, RemoteBackend, TrainerLost, call
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, call
 from relax_gym.trainer.cluster.roles import TrainerRank
 from relax_gym.trainer.cluster.scale import ScaleManager
 from relax_gym.trainer.cluster.workers import WorkerPool
@@ -79,7 +82,7 @@ class ClusterTrainer(Trainer):
     def event(self, kind: str, **fields: Any) -> None:
         self.log.event(self.step, kind, **fields)
 
-    def _engines_view(self) -> tuple[int, dict[str, RayEngineClient]]:
+    def _engines_view(self) -> tuple[int, dict[str, Engine]]:
         return self.fleet.epoch, self.fleet.active()
 
     async def _connect(self) -> None:
@@ -89,7 +92,7 @@ class ClusterTrainer(Trainer):
         try:
             self._start_ray()
             self.fleet = ActorFleet(self.cfg, on_change=self._engines_changed, event=self.event,
-                                     status=self.status, faults=self.faults.engines)
+                                    status=self.status, faults=self.faults.engines, api_key=secrets.token_urlsafe(24))
             self.workers = WorkerPool(self.cfg, engines=self._engines_view, event=self.event,
                                       faults=self.faults.workers)
             await self._start_trainer()
@@ -129,7 +132,7 @@ class ClusterTrainer(Trainer):
         ray.init(address=c.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
 
-    async def _engines_changed(self, epoch: int, members: dict[str, RayEngineClient]) -> None:
+    async def _engines_changed(self, epoch: int, members: dict[str, Engine]) -> None:
         if hasattr(self, "workers"):
             await self.workers.set_engines(epoch, members)
 
@@ -147,8 +150,18 @@ class ClusterTrainer(Trainer):
         self.backend = RemoteBackend(self._trainer_actor, version=int(info["version"]))
 
     async def _publish(self) -> None:
-        state = await asyncio.to_thread(self.backend.hf_state_dict)
-        await self.fleet.publish(state, self.backend.version)
+        """The trainer rank's weights at its version to every ACTIVE engine, as `cluster.weight_sync` says."""
+        version = self.backend.version
+        weights: dict[str, Any] | Path
+        if self.cluster.weight_sync == "disk":
+            weights = self.run_dir / "weights" / f"v{version}"
+            try:
+                await call(self._trainer_actor.save_weights, str(weights))
+            except ACTOR_GONE as err:
+                raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
+        else:
+            weights = await asyncio.to_thread(self.backend.hf_state_dict)
+        await self.fleet.publish(weights, version)
 
     async def _push_weights(self) -> None:
         """Trained weights to every ACTIVE engine; engines that fail it are replaced by the health manager and

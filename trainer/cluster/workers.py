@@ -18,8 +18,9 @@ from typing import Any
 
 import ray
 
+from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped
-from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, call
 from relax_gym.trainer.cluster.roles import RolloutWorker
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trajectory import Trajectory
@@ -43,7 +44,7 @@ class WorkerSlot:
 class WorkerPool:
     """M rollout-worker actors; `run_group` is the loop's `run_task` transport."""
 
-    def __init__(self, cfg: TrainConfig, *, engines: Callable[[], tuple[int, dict[str, RayEngineClient]]],
+    def __init__(self, cfg: TrainConfig, *, engines: Callable[[], tuple[int, dict[str, Engine]]],
                  event: Callable[..., None], faults: dict[str, dict[str, int]] | None = None):
         assert cfg.cluster is not None
         self.cfg = cfg
@@ -81,7 +82,7 @@ class WorkerPool:
             self.slots[wid] = WorkerSlot(wid, self._spawn(wid))
         await asyncio.gather(*(self._bring_up(s) for s in self.slots.values()))
 
-    async def set_engines(self, epoch: int, members: dict[str, RayEngineClient]) -> None:
+    async def set_engines(self, epoch: int, members: dict[str, Engine]) -> None:
         """Every live worker routes over these engines from now on."""
         await asyncio.gather(*(call(s.actor.set_engines, epoch, members) for s in self.slots.values() if s.alive),
                              return_exceptions=True)  # a dead worker learns them when it is recreated
