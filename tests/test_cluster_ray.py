@@ -211,3 +211,19 @@ def test_served_engines_with_disk_weights_fail_over_and_take_in_an_external_serv
     assert external["version"] == external["engine"] == 2  # synced from the newest folder before serving
     assert served_after == STEPS  # it took the later publications too
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # pruned
+
+
+def test_distributed_weight_sync_reaches_served_engines_and_regroups_after_a_kill(ray_cluster, reference, tmp_path):
+    """The trainer rank broadcasts over gloo to engines that joined through SGLang's routes; a killed engine is
+    left out of the group, its successor catches up through a group of its own and rejoins at the next step."""
+    run_dir = tmp_path / "run"
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            ray.kill(run.fleet.slots["engine-1"].actor)
+            await restarted(run, "engine-1")
+
+    train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=distributed"), on_step=chaos)
+    assert losses(records(run_dir)) == losses(reference)
+    assert_exactly_once(run_dir)
+    assert not (run_dir / "weights").exists()  # nothing went through the disk

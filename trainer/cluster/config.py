@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -88,9 +88,19 @@ class ClusterSection(_Strict):
     engines: EnginesSection = Field(default_factory=EnginesSection)
     rollout_workers: WorkersSection = Field(default_factory=WorkersSection)
     trainer: TrainerRanksSection = Field(default_factory=TrainerRanksSection)
-    #: how trained weights reach the engines: Ray's object store (engine actors load them in-process), or disk
-    #: (the trainer rank writes RUN_DIR/weights/vN, engines load it; needs a file system they share; the only
-    #: way to external servers registered by URL)
-    weight_sync: Literal["object_store", "disk"] = "object_store"
+    #: how trained weights reach the engines: Ray's object store (engine actors load them in-process); disk
+    #: (the trainer rank writes RUN_DIR/weights/vN, engines load it; needs a file system they share); or
+    #: distributed (the trainer rank broadcasts over a gloo / NCCL group that served engines join through SGLang's
+    #: /init_weights_update_group: `engines.kind: serve`, or SGLang servers)
+    weight_sync: Literal["object_store", "disk", "distributed"] = "object_store"
+    #: how long forming the distributed group, or one broadcast, may take
+    weight_sync_timeout_s: float = Field(120.0, gt=0)
     health: HealthSection = Field(default_factory=HealthSection)
     control: ControlSection = Field(default_factory=ControlSection)
+
+    @model_validator(mode="after")
+    def _reachable(self) -> ClusterSection:
+        if self.weight_sync == "distributed" and self.engines.kind != "serve":
+            raise ValueError("cluster.weight_sync=distributed reaches engines through SGLang's HTTP routes: set "
+                             "cluster.engines.kind=serve (or use object_store / disk)")
+        return self

@@ -70,7 +70,8 @@ class ActorFleet:
 
     def __init__(self, cfg: TrainConfig, *, on_change: Callable[[int, dict[str, Engine]], Awaitable[None]],
                  event: Callable[..., None], status: Callable[[], dict[str, Any]] | None = None,
-                 faults: dict[str, dict[str, int]] | None = None, api_key: str = ""):
+                 faults: dict[str, dict[str, int]] | None = None, api_key: str = "",
+                 distribute: Callable[[list[str], bool], Awaitable[int]] | None = None):
         assert cfg.cluster is not None
         self.cfg = cfg
         self.cluster: ClusterSection = cfg.cluster
@@ -90,6 +91,9 @@ class ActorFleet:
         self.api_key = api_key
         #: the disk strategy's folders, oldest first (the newest is what a joining engine loads)
         self.folders: deque[Path] = deque()
+        #: the distributed strategy: broadcasts the trainer's weights to these URLs (alone: to a joining engine
+        #: through a group of its own), returning the version sent
+        self.distribute = distribute
 
     # --- views ------------------------------------------------------------------------
     def active(self) -> dict[str, Engine]:
@@ -143,10 +147,13 @@ class ActorFleet:
             step = "WEIGHT_SYNCING"
             enter("WEIGHT_SYNCING")
             async with self.lock:  # no publication slips past: the engine gets exactly the published version
-                if self.published is not None:
-                    slot.version = await self._load(slot, self.published, self.published_version)
+                if self.published is None:
+                    slot.version = self.published_version  # nothing published yet: the initial weights
+                elif self.distribute is not None:
+                    assert slot.url is not None
+                    slot.version = await self.distribute([slot.url], True)
                 else:
-                    slot.version = self.published_version
+                    slot.version = await self._load(slot, self.published, self.published_version)
                 enter("ACTIVE")
                 await self._changed()
         except asyncio.CancelledError:
@@ -256,21 +263,26 @@ class ActorFleet:
         return True
 
     # --- publishing -------------------------------------------------------------------
-    async def publish(self, weights: dict[str, torch.Tensor] | Path, version: int) -> int:
+    async def publish(self, weights: dict[str, torch.Tensor] | Path | None, version: int) -> int:
         """`weights` at `version` to every ACTIVE engine: a state dict goes through the object store (one copy
-        for all), a folder is loaded from disk (older folders are pruned, the newest kept for joining engines).
-        Returns how many acknowledged. An engine that fails is DEAD (the health manager replaces it); the others
-        go on."""
+        for all), a folder is loaded from disk (older folders are pruned, the newest kept for joining engines),
+        None means the trainer rank broadcasts its own (`distribute`). Returns how many acknowledged. An engine
+        that fails is DEAD (the health manager replaces it); the others go on."""
         async with self.lock:
-            published: Any = weights
-            if isinstance(weights, Path):
-                self.folders.append(weights)
-            else:
-                published = ray.put(weights)
             slots = [s for s in self.slots.values() if s.state == "ACTIVE"]
-            results = await asyncio.gather(
-                *(asyncio.wait_for(self._load(s, published, version), START_TIMEOUT_S) for s in slots),
-                return_exceptions=True)
+            published: Any = weights
+            results: list[Any]
+            if weights is None:
+                published = "distributed"
+                results = await self._distribute_to(slots, version)
+            else:
+                if isinstance(weights, Path):
+                    self.folders.append(weights)
+                else:
+                    published = ray.put(weights)
+                results = await asyncio.gather(
+                    *(asyncio.wait_for(self._load(s, published, version), START_TIMEOUT_S) for s in slots),
+                    return_exceptions=True)
             self.published, self.published_version = published, version
             while len(self.folders) > KEEP_FOLDERS:
                 shutil.rmtree(self.folders.popleft(), ignore_errors=True)
@@ -287,6 +299,26 @@ class ActorFleet:
             if failed:
                 await self._changed()
             return sum(not isinstance(r, BaseException) for r in results)
+
+    async def _distribute_to(self, slots: list[EngineSlot], version: int) -> list[Any]:
+        """One broadcast to every slot; if it fails, the engines that no longer answer are left out and it is
+        tried once more with the others. Each slot's result: the version it acknowledged, or the error."""
+        assert self.distribute is not None
+        error: Exception = EngineError("no engine took the weights")
+        members = list(slots)
+        for _ in range(2):
+            if not members:
+                break
+            try:
+                sent = await self.distribute([s.url or "" for s in members], False)
+            except EngineError as err:  # a lost trainer (TrainerLost) is the controller's to handle, not ours
+                error = err
+                answers = await asyncio.gather(*(asyncio.wait_for(self.probe(s), self.cluster.health.probe_timeout_s)
+                                                 for s in members), return_exceptions=True)
+                members = [s for s, ok in zip(members, answers, strict=True) if ok is True]
+                continue
+            return [sent if s in members else error for s in slots]
+        return [error for _ in slots]
 
     # --- shrinking --------------------------------------------------------------------
     async def drain_engine(self, engine_id: str, timeout_s: float) -> int:

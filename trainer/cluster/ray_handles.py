@@ -29,9 +29,9 @@ class TrainerLost(RuntimeError):
     """The trainer rank's process is gone: the controller restarts it from the last checkpoint."""
 
 
-async def call(method: Any, *args: Any) -> Any:
-    """`await actor.method.remote(*args)`, cancelling the remote call when the caller is cancelled."""
-    ref = method.remote(*args)
+async def call(method: Any, *args: Any, **kwargs: Any) -> Any:
+    """`await actor.method.remote(*args, **kwargs)`, cancelling the remote call when the caller is cancelled."""
+    ref = method.remote(*args, **kwargs)
     try:
         return await ref
     except asyncio.CancelledError:

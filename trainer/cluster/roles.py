@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -218,6 +219,10 @@ class TrainerRank:
         self.loaded = load_policy(cfg)
         self.backend = make_backend(cfg, self.loaded)
         self.fault = dict(fault or {})
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._publisher: Any = None
+        self._members: list[str] = []
+        self._groups = 0
         settle_heap()
 
     def ready(self) -> dict[str, Any]:
@@ -243,6 +248,55 @@ class TrainerRank:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_state_dict()
+
+    def publish_distributed(self, urls: list[str], api_key: str, *, master_address: str, backend: str,
+                            timeout_s: float, alone: bool = False) -> int:
+        """Broadcasts the current weights to the servers at `urls` over a torch.distributed group driven by
+        SGLang's routes (`DistributedPublisher`); returns the version sent. The run's group is kept while its
+        members stay the same and formed again (under a new name) when they change or a publication failed;
+        `alone` sends to a joining server through a group of its own, so the run's group is left as it is."""
+        return self._in_loop(self._publish(urls, api_key, master_address, backend, timeout_s, alone))
+
+    async def _publish(self, urls: list[str], api_key: str, master_address: str, backend: str, timeout_s: float,
+                       alone: bool) -> int:
+        from relax_gym.trainer.cluster.fleet import member_client
+        from relax_gym.trainer.weight_publish import DistributedPublisher
+
+        self._groups += 1
+        name = f"relax-gym-weights-{os.getpid()}-{self._groups}"
+        if alone or self._publisher is None or self._members != urls:
+            if not alone and self._publisher is not None:
+                await self._close_publisher()
+            publisher = DistributedPublisher([member_client(u, api_key) for u in urls], backend=backend,
+                                             master_address=master_address, group_name=name, timeout_s=timeout_s)
+            await publisher.connect()
+            if not alone:
+                self._publisher, self._members = publisher, list(urls)
+        else:
+            publisher = self._publisher
+        try:
+            await publisher.publish(self.backend.hf_state_dict(), self.backend.version)
+        except BaseException:
+            if publisher is self._publisher:
+                await self._close_publisher()
+            raise
+        finally:
+            if alone:
+                await publisher.close()
+        return self.backend.version
+
+    async def _close_publisher(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            await publisher.close()
+
+    def _in_loop(self, coro: Any) -> Any:
+        """Runs `coro` on this rank's own event loop (a thread of its own: the HTTP clients and groups of the
+        distributed publication outlive one call)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="relax-gym-publisher", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def save_weights(self, folder: str) -> None:
         """The current weights as an HF folder an engine loads (`cluster.weight_sync: disk`)."""

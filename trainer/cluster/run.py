@@ -92,7 +92,8 @@ class ClusterTrainer(Trainer):
         try:
             self._start_ray()
             self.fleet = ActorFleet(self.cfg, on_change=self._engines_changed, event=self.event,
-                                    status=self.status, faults=self.faults.engines, api_key=secrets.token_urlsafe(24))
+                                    status=self.status, faults=self.faults.engines, api_key=secrets.token_urlsafe(24),
+                                    distribute=self._distribute if self.cluster.weight_sync == "distributed" else None)
             self.workers = WorkerPool(self.cfg, engines=self._engines_view, event=self.event,
                                       faults=self.faults.workers)
             await self._start_trainer()
@@ -152,16 +153,28 @@ class ClusterTrainer(Trainer):
     async def _publish(self) -> None:
         """The trainer rank's weights at its version to every ACTIVE engine, as `cluster.weight_sync` says."""
         version = self.backend.version
-        weights: dict[str, Any] | Path
+        weights: dict[str, Any] | Path | None = None  # distributed: the trainer rank sends its own
         if self.cluster.weight_sync == "disk":
             weights = self.run_dir / "weights" / f"v{version}"
             try:
                 await call(self._trainer_actor.save_weights, str(weights))
             except ACTOR_GONE as err:
                 raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
-        else:
+        elif self.cluster.weight_sync == "object_store":
             weights = await asyncio.to_thread(self.backend.hf_state_dict)
         await self.fleet.publish(weights, version)
+
+    async def _distribute(self, urls: list[str], alone: bool) -> int:
+        """The trainer rank broadcasts its weights to the engine servers at `urls` (`weight_sync: distributed`):
+        gloo on CPU, NCCL when the trainer has GPUs."""
+        backend = "nccl" if self.cluster.trainer.num_gpus else "gloo"
+        master = ray.util.get_node_ip_address() if self.cluster.address else "127.0.0.1"
+        try:
+            return int(await call(self._trainer_actor.publish_distributed, urls, self.fleet.api_key,
+                                  master_address=master, backend=backend,
+                                  timeout_s=self.cluster.weight_sync_timeout_s, alone=alone))
+        except ACTOR_GONE as err:
+            raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
 
     async def _push_weights(self) -> None:
         """Trained weights to every ACTIVE engine; engines that fail it are replaced by the health manager and
