@@ -25,6 +25,7 @@ from relax_gym.engines.base import Engine, EngineError
 from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.trainer.cluster.config import ClusterSection
+from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
 from relax_gym.trainer.cluster.roles import EngineService
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
@@ -47,10 +48,12 @@ class EngineSlot:
     engine_id: str
     kind: str  # embedded | serve | http
     actor: Any
-    client: Engine
+    client: Engine | None  # None until its actor exists
     state: EngineState
     initial: bool
     url: str | None = None
+    #: the engine's placement group (None for an external server, or before its first start)
+    group: Any = None
     added_at: float = field(default_factory=time.time)
     version: int = -1
     #: dead with its restart budget spent: never recreated
@@ -97,7 +100,7 @@ class ActorFleet:
 
     # --- views ------------------------------------------------------------------------
     def active(self) -> dict[str, Engine]:
-        return {i: s.client for i, s in self.slots.items() if s.state == "ACTIVE"}
+        return {i: s.client for i, s in self.slots.items() if s.state == "ACTIVE" and s.client is not None}
 
     def engines(self) -> list[EngineView]:
         return [EngineView(engine_id=s.engine_id, kind=s.kind, url=s.url, state=s.state, version=s.version,
@@ -113,14 +116,19 @@ class ActorFleet:
         await self._on_change(self.epoch, self.active())
 
     # --- creating ---------------------------------------------------------------------
-    def _spawn(self, engine_id: str) -> Any:
+    async def _spawn(self, slot: EngineSlot) -> None:
+        """A new actor for `slot`, in the slot's placement group (reserved on its first start and kept across
+        restarts, so a restarted engine lands on the same node and GPUs)."""
         c = self.cluster.engines
-        options: dict[str, Any] = {"num_cpus": c.num_cpus, "max_restarts": 0, "max_task_retries": 0,
-                                   "max_concurrency": 1000}
-        if c.num_gpus:
-            options["num_gpus"] = c.num_gpus
-        fault = self.faults.pop(engine_id, None)
-        return ray.remote(EngineService).options(**options).remote(engine_id, self.cfg, fault)
+        if slot.group is None:
+            slot.group = await reserve([bundle(c.num_cpus, c.num_gpus * c.tp)], "STRICT_PACK", START_TIMEOUT_S,
+                                       f"engine {slot.engine_id}")
+        options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "max_restarts": 0,
+                                   "max_task_retries": 0, "max_concurrency": 1000, **in_group(slot.group)}
+        fault = self.faults.pop(slot.engine_id, None)
+        slot.actor = ray.remote(EngineService).options(**options).remote(slot.engine_id, self.cfg, fault)
+        slot.client = RayEngineClient(slot.engine_id, slot.actor)
+        slot.url = None
 
     async def _bring_up(self, slot: EngineSlot, on_state: Callable[[EngineState], None] | None) -> None:
         """STARTING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> ACTIVE; raises EngineStartError (the actor killed)."""
@@ -133,9 +141,11 @@ class ActorFleet:
         step = "STARTING"
         try:
             enter("STARTING")
-            if slot.actor is None:
+            if slot.kind == "http":
+                assert slot.client is not None
                 await asyncio.wait_for(slot.client.connect(), START_TIMEOUT_S)
             else:
+                await self._spawn(slot)
                 await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
                 if slot.kind == "serve":
                     slot.url = await call(slot.actor.serve_http, self._host(), self.api_key)
@@ -174,19 +184,25 @@ class ActorFleet:
         return ray.util.get_node_ip_address() if self.cluster.address else "127.0.0.1"
 
     @staticmethod
-    def _end(slot: EngineSlot) -> None:
+    def _end(slot: EngineSlot, *, release_group: bool = False) -> None:
+        """Kills the slot's actor (its reservation is kept for a restart unless `release_group`)."""
         if slot.actor is not None:
             ray.kill(slot.actor)
+        if release_group:
+            release(slot.group)
+            slot.group = None
 
     async def probe(self, slot: EngineSlot) -> bool:
         """One greedy token from an engine actor; an external server's /health (SGLang's generates a token)."""
-        if slot.actor is None:
+        if slot.kind == "http":
+            assert slot.client is not None
             return await slot.client.health()
         return bool(await call(slot.actor.probe))
 
     async def _load(self, slot: EngineSlot, weights: Any, version: int) -> int:
         """`weights` (an object-store ref or a folder) into one engine; returns the version it then holds."""
-        if slot.actor is None:
+        if slot.kind == "http":
+            assert slot.client is not None
             await slot.client.update_weights(weights, version)
             return version
         return int(await call(slot.actor.update_weights, weights, version))
@@ -202,16 +218,19 @@ class ActorFleet:
         engine_id = f"engine-{self._next_id}" if url is None else f"ext-{self._next_id}"
         self._next_id += 1
         if url is None:
-            actor = self._spawn(engine_id)
-            slot = EngineSlot(engine_id, self.cluster.engines.kind, actor, RayEngineClient(engine_id, actor),
-                              "STARTING", initial=not self.slots and not self.published)
+            slot = EngineSlot(engine_id, self.cluster.engines.kind, None, None, "STARTING",
+                              initial=not self.slots and not self.published)
         else:
             # its own key: $RELAX_GYM_API_KEY (read here, where the operator set it), never the served engines'
             slot = EngineSlot(engine_id, "http", None, member_client(url, None), "STARTING", initial=False,
                               url=url.rstrip("/"))
         self.slots[engine_id] = slot
         started = time.monotonic()
-        await self._bring_up(slot, on_state)
+        try:
+            await self._bring_up(slot, on_state)
+        except BaseException:
+            self._end(slot, release_group=True)  # a scale-out that failed gives back what it reserved
+            raise
         self._event("engine_added", engine_id=engine_id, ready_s=round(time.monotonic() - started, 3),
                     version=slot.version)
         return engine_id
@@ -233,7 +252,7 @@ class ActorFleet:
         slot.state = "DEAD"
         if was_active:
             await self._changed()  # routers stop choosing it now; its in-flight calls fail over when it dies
-        if slot.actor is None:  # an external server is not ours to restart
+        if slot.kind == "http":  # an external server is not ours to restart
             slot.retired = True
             self._event("engine_dead", engine_id=engine_id, reason=reason, url=slot.url, note="external server")
             return False
@@ -249,9 +268,6 @@ class ActorFleet:
         slot.restarts.append(now)
         delay = min(2.0 ** (len(slot.restarts) - 1) - 1, 30.0)  # 0, 1, 3, 7 ... s
         await asyncio.sleep(delay)
-        slot.actor = self._spawn(engine_id)
-        slot.client = RayEngineClient(engine_id, slot.actor)
-        slot.url = None
         started = time.monotonic()
         try:
             await self._bring_up(slot, None)
@@ -349,14 +365,14 @@ class ActorFleet:
         if was_active:
             async with self.lock:
                 await self._changed()
-        self._end(slot)
+        self._end(slot, release_group=True)
         self._event("engine_removed", engine_id=engine_id)
 
     async def shutdown(self) -> None:
         for slot in self.slots.values():
             if slot.state != "REMOVED":
-                self._end(slot)
-            if slot.actor is None:
+                self._end(slot, release_group=True)
+            if slot.kind == "http" and slot.client is not None:
                 await slot.client.close()
 
 

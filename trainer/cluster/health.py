@@ -80,10 +80,10 @@ class HealthMonitor:
 
     async def check_engines(self) -> None:
         watched = [s for s in self.fleet.slots.values() if s.state in ("ACTIVE", "DRAINING")]
-        external = [s for s in watched if s.actor is None]  # no progress view: an answer to /health is the test
+        external = [s for s in watched if s.kind == "http"]  # no progress view: an answer to /health is the test
         answers = await asyncio.gather(*(self._answers(s) for s in external))
         dead = [s.engine_id for s, ok in zip(external, answers, strict=True) if not ok]
-        slots = [s for s in watched if s.actor is not None]
+        slots = [s for s in watched if s.kind != "http"]
         results = await asyncio.gather(*(self._stats(s.actor) for s in slots))
         suspects = []
         for slot, result in zip(slots, results, strict=True):

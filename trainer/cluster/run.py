@@ -31,6 +31,7 @@ from relax_gym.errors import RunStopped, StartupError
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
+from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, call
 from relax_gym.trainer.cluster.roles import TrainerRank
 from relax_gym.trainer.cluster.scale import ScaleManager
@@ -75,6 +76,7 @@ class ClusterTrainer(Trainer):
         self.trainer_restart_times: deque[float] = deque()
         self._owns_ray = False
         self._trainer_actor: Any = None
+        self._trainer_group: Any = None
         self._monitor_task: asyncio.Task | None = None
         self.control: ControlServer | None = None
 
@@ -143,9 +145,11 @@ class ClusterTrainer(Trainer):
             fault = self.faults.trainer
             self.faults.trainer_times -= 1
         t = self.cluster.trainer
-        options: dict[str, Any] = {"num_cpus": t.num_cpus, "max_restarts": 0, "max_task_retries": 0}
-        if t.num_gpus:
-            options["num_gpus"] = t.num_gpus
+        if self._trainer_group is None:  # reserved once: a restarted rank lands on the same node and GPUs
+            self._trainer_group = await reserve([bundle(t.num_cpus, t.num_gpus)], "PACK", START_TIMEOUT_S,
+                                                "the trainer rank")
+        options: dict[str, Any] = {"num_cpus": t.num_cpus, "num_gpus": t.num_gpus, "max_restarts": 0,
+                                   "max_task_retries": 0, **in_group(self._trainer_group)}
         self._trainer_actor = ray.remote(TrainerRank).options(**options).remote(self.cfg, fault)
         info = await asyncio.wait_for(call(self._trainer_actor.ready), START_TIMEOUT_S)
         self.backend = RemoteBackend(self._trainer_actor, version=int(info["version"]))
@@ -272,5 +276,6 @@ class ClusterTrainer(Trainer):
                 await getattr(self, role).shutdown()
         if self._trainer_actor is not None:
             ray.kill(self._trainer_actor)
+        release(self._trainer_group)
         if self._owns_ray:
             ray.shutdown()

@@ -61,6 +61,7 @@ class WorkerPool:
         epoch, members = self._engines()
         actor: Any = ray.remote(RolloutWorker).options(
             num_cpus=self.cluster.rollout_workers.num_cpus, max_restarts=0, max_task_retries=0, max_concurrency=1000,
+            scheduling_strategy="SPREAD",  # CPU work: over every node, next to no engine in particular
         ).remote(worker_id, self.cfg, members, engine_wait_s=self.cluster.health.engine_wait_s)
         actor.set_engines.remote(epoch, members)
         return actor
