@@ -209,7 +209,7 @@ class ClusterTrainer(Trainer):
         routers = [s.stats.get("failovers", 0) for s in self.workers.slots.values()]
         return {"cluster/published_version": self.fleet.published_version,
                 "cluster/engines_active": len(self.fleet.active()),
-                "cluster/engine_failovers": sum(routers),
+                "cluster/engine_failovers": sum(routers) + self.workers.failovers_of_lost,
                 "cluster/lost_worker_calls": self.workers.lost_calls,
                 "cluster/probe_failures": self.monitor.probe_failures,
                 "cluster/engine_restarts": sum(len(s.restarts) for s in self.fleet.slots.values()),
@@ -255,9 +255,10 @@ class ClusterTrainer(Trainer):
         if not self.checkpoints.latest_step():  # no checkpoint: start over from the initial weights
             self.log.truncate_after(0)
             await self._publish()
-        self.event("trainer_restarted", reason=reason, lost_at_step=lost_at,
-                   resumes_from_step=self.checkpoints.latest_step(), restarts=self.trainer_restarts,
-                   time_to_recover_s=round(time.perf_counter() - started, 3))
+        resume_step = self.checkpoints.latest_step()
+        self.log.event(resume_step, "trainer_restarted", reason=reason, lost_at_step=lost_at,
+                       resumes_from_step=resume_step, restarts=self.trainer_restarts,
+                       time_to_recover_s=round(time.perf_counter() - started, 3))
 
     def _checkpoint(self) -> None:
         if self._trainer_actor is not None:  # a lost trainer's state is gone; its last checkpoint stands

@@ -54,6 +54,8 @@ class WorkerPool:
         self.slots: dict[str, WorkerSlot] = {}
         self._live = asyncio.Condition()
         self.lost_calls = 0  # group calls a dead worker took with it (each played again elsewhere)
+        #: engine failovers counted by workers since replaced (a run total must not shrink when one dies)
+        self.failovers_of_lost = 0
         #: faults to inject by worker id into its first incarnation (tests, chaos runs): {"exit_after_s": s}
         self.faults = dict(faults or {})
 
@@ -128,6 +130,8 @@ class WorkerPool:
         slot = self.slots[worker_id]
         slot.alive = False
         slot.incarnation += 1
+        self.failovers_of_lost += int(slot.stats.get("failovers", 0))
+        slot.stats = {}
         ray.kill(slot.actor)
         h = self.cluster.health
         now = time.monotonic()
