@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -91,3 +92,38 @@ def assert_exactly_once(run_dir: Path, group_size: int = 3) -> None:
     assert set(per_task.values()) == {group_size}, per_task  # each task's group trained once, whole
 
 
+
+
+
+def engine_with_latency(max_delay_s: float = 0.0, *, hold_until_version: int | None = None,
+                        hold_seeds: frozenset[int] = frozenset(), hold_timeout_s: float = 60.0,
+                        stop: tuple[str, ...] = ()) -> type:
+    """An `EngineService` for timing-dependent tests, to install as `relax_gym.trainer.cluster.fleet.EngineService`
+    (monkeypatch); made in here, so Ray ships it by value to the engine processes (this folder is not on their
+    path). It waits a random 0..`max_delay_s` inside each request (counted in flight, as a slow engine's wait
+    would be). With `hold_until_version=v`, it holds every request past the first turn of an episode of the tasks
+    seeded `hold_seeds` until it has loaded version v (at most `hold_timeout_s`): v's publication then lands
+    inside those episodes. `stop` strings end every turn (as `SamplingParams.stop`)."""
+    import dataclasses
+    import random
+
+    from relax_gym.trainer.cluster.roles import EngineService
+
+    class LatencyEngine(EngineService):
+        async def _maybe_fail(self) -> None:
+            await super()._maybe_fail()
+            if not hasattr(self, "rng"):
+                self.rng = random.Random(self.engine_id)
+            await asyncio.sleep(self.rng.random() * max_delay_s)
+
+        async def generate(self, request):
+            if stop:
+                request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, stop=stop))
+            group, _, turn = (request.rid or "#-1/0/0").rsplit("/", 2)
+            if hold_until_version is not None and int(turn) > 0 and int(group.rsplit("#", 1)[1]) in hold_seeds:
+                deadline = time.monotonic() + hold_timeout_s
+                while self.engine.weight_version < hold_until_version and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+            return await super().generate(request)
+
+    return LatencyEngine

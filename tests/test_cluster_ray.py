@@ -227,3 +227,26 @@ def test_distributed_weight_sync_reaches_served_engines_and_regroups_after_a_kil
     assert losses(records(run_dir)) == losses(reference)
     assert_exactly_once(run_dir)
     assert not (run_dir / "weights").exists()  # nothing went through the disk
+
+
+@pytest.mark.timeout(600)
+def test_megatron_ranks_as_ray_actors_train_and_restart_when_a_follower_is_lost(ray_cluster, tmp_path):
+    """Megatron TP=2 with its two ranks as Ray actors instead of torchrun (rank 0 drives, rank 1 follows); rank 1
+    killed between steps: the loop restarts both ranks from the last checkpoint and trains on."""
+    pytest.importorskip("megatron.core")
+    run_dir = tmp_path / "run"
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 2 and not run.trainer_restarts:
+            ray.kill(run._trainer_ranks[1])
+
+    cfg = config(run_dir, "trainer.backend=megatron", "trainer.megatron.tp=2", "cluster.trainer.world_size=2",
+                 "cluster.engines.count=1", "cluster.rollout_workers.count=1", "trainer.total_steps=3",
+                 "trainer.lr=3e-4")
+    train_cluster(cfg, on_step=chaos)
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and any(r["train/grad_norm"] > 0 for r in rows)
+    restarts = [e for e in events(run_dir) if e["event"] == "trainer_restarted"]
+    assert len(restarts) == 1 and restarts[0]["resumes_from_step"] == 2
+    assert {"model_tp0_pp0.pt", "model_tp1_pp0.pt", "model.safetensors"} <= {
+        p.name for p in (run_dir / "checkpoints" / "step_3").iterdir()}

@@ -175,6 +175,9 @@ class TrainConfig(_Strict):
                              "takes logprobs at the rollout temperature); use rollout.temperature > 0")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
+        if self.cluster is not None and self.cluster.trainer.world_size > 1 and self.trainer.backend != "megatron":
+            raise ValueError(f"cluster.trainer.world_size={self.cluster.trainer.world_size} needs "
+                             "trainer.backend=megatron: the torch backend trains in one process")
         if self.algorithm.name != "distill" and self.rollout.group_size < 2:
             raise ValueError(f"rollout.group_size=1 with algorithm.name={self.algorithm.name}: advantages are "
                              "relative to the task's group, so every one would be 0 and nothing would be learnt; "

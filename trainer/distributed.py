@@ -74,9 +74,16 @@ class DrivingBackend:
         self._announce(_STOP)
 
 
-def follow(backend: TrainBackend, loss_fn: LossFn) -> int:
-    """A follower rank's whole life: repeat rank 0's backend calls until it stops. Returns the call count."""
-    group = _control_group()
+def control_group() -> Any:
+    """The gloo group rank 0 announces its calls on; every rank makes it, in the same order as its other groups
+    (`DrivingBackend` makes rank 0's)."""
+    return _control_group()
+
+
+def follow(backend: TrainBackend, loss_fn: LossFn, group: Any | None = None) -> int:
+    """A follower rank's whole life: repeat rank 0's backend calls until it stops. Returns the call count.
+    `group`: the control group, if this rank made it already (`control_group`)."""
+    group = group if group is not None else _control_group()
     calls: dict[str, Callable[..., Any]] = {
         "logprobs": backend.logprobs,
         "train_step": lambda samples, **kw: backend.train_step(samples, loss_fn, **kw),

@@ -39,7 +39,12 @@ class WorkersSection(_Strict):
 
 
 class TrainerRanksSection(_Strict):
+    """The trainer's ranks, as Ray actors in one PACKed placement group (torchrun's job, done by Ray)."""
+
+    #: ranks: 1 for the torch backend; Megatron's TP x PP x DP
+    world_size: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    #: GPUs of each rank
     num_gpus: float = Field(0, ge=0)
 
 

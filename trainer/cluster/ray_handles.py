@@ -92,15 +92,24 @@ class RemoteBackend:
     """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank`); blocking, as the loop
     calls backends from a worker thread."""
 
-    def __init__(self, actor: Any, version: int = 0):
+    def __init__(self, actor: Any, version: int = 0, followers: list[Any] | None = None):
+        """`followers`: the refs of the other ranks' `follow` calls, which end only when a rank is lost (a
+        collective call would otherwise wait for the lost rank until its timeout)."""
         self.actor = actor
         self._version = version
+        self.followers = list(followers or [])
 
     def _get(self, ref: Any) -> Any:
         try:
+            while self.followers:
+                done, _ = ray.wait([ref, *self.followers], num_returns=1)
+                if done[0] == ref:
+                    break
+                ray.get(done[0])  # a follower's call ended: it raises, or it returned early
+                raise TrainerLost("a follower trainer rank stopped following rank 0")
             return ray.get(ref)
         except ACTOR_GONE as err:
-            raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
+            raise TrainerLost(f"a trainer rank's process is gone ({type(err).__name__})") from None
 
     @property
     def version(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -21,6 +22,7 @@ import torch
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.router import EngineRouter
+from relax_gym.registration import resolve_env_id
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.trainer.backends.base import LogprobOutput
 from relax_gym.trainer.batch import LossFn, Sample
@@ -162,6 +164,8 @@ class RolloutWorker:
         from relax_gym.trainer.loop import load_policy
 
         self.worker_id = worker_id
+        for env in cfg.envs:  # an env given as file.py or module registers its ids in this process too
+            resolve_env_id(env.id)
         loaded = load_policy(cfg)
         r = cfg.rollout
         self.router = EngineRouter(engines, wait_s=engine_wait_s)
@@ -207,26 +211,63 @@ class RolloutWorker:
 
 
 class TrainerRank:
-    """Trainer rank 0: the training backend (torch) in its own process; the loop calls it like a local backend.
+    """One trainer rank: the training backend in its own process. Rank 0 is what the loop calls, like a local
+    backend; with several ranks (Megatron's TP / PP / DP, instead of torchrun) it announces each call to the
+    others, which repeat it (`trainer.distributed`: `DrivingBackend` and `follow`).
 
+    The backend is built by `setup`, called on every rank at once (forming the process group waits for all).
     `fault` injects a deterministic failure for tests and the chaos benchmark: `{"crash_at_step": n}` ends the
     process when asked to train step n, `{"raise_at_step": n}` raises there (a bug, not a lost process)."""
 
     def __init__(self, cfg: TrainConfig, fault: dict[str, int] | None = None):
-        from relax_gym.trainer.loop import load_policy, make_backend
-
-        torch.manual_seed(cfg.seed)
-        self.loaded = load_policy(cfg)
-        self.backend = make_backend(cfg, self.loaded)
+        self.cfg = cfg
         self.fault = dict(fault or {})
+        self.rank = 0
+        self.backend: Any = None
+        self._control: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._publisher: Any = None
         self._members: list[str] = []
         self._groups = 0
+
+    def address(self) -> tuple[str, int]:
+        """Where the group's rendezvous listens (asked of rank 0): this node and a free port on it."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int] | None) -> dict[str, Any]:
+        """Builds the backend as rank `rank` of `world_size` (torchrun's environment variables, so the backend
+        forms its process group as under torchrun: Ray gives each rank its own GPU as device 0)."""
+        from relax_gym.trainer.distributed import DrivingBackend, control_group
+        from relax_gym.trainer.loop import load_policy, make_backend
+
+        self.rank = rank
+        if world_size > 1:
+            assert master is not None
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        torch.manual_seed(self.cfg.seed)
+        self.loaded = load_policy(self.cfg)
+        backend = make_backend(self.cfg, self.loaded)
+        self.backend = DrivingBackend(backend) if world_size > 1 and rank == 0 else backend
+        if rank > 0:  # rank 0's DrivingBackend made its side of the control group just now
+            self._control = control_group()
         settle_heap()
+        return self.ready()
+
+    def follow(self) -> int:
+        """A rank > 0's whole life: repeats rank 0's calls until it stops (returns the number of calls)."""
+        from relax_gym.trainer.algorithms import make_loss_fn
+        from relax_gym.trainer.distributed import follow
+
+        return follow(self.backend, make_loss_fn(self.cfg.algorithm.to_algorithm_config()), self._control)
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "version": self.backend.version}
+        return {"pid": os.getpid(), "rank": self.rank, "version": self.backend.version if self.backend else 0}
 
     def get_version(self) -> int:
         return self.backend.version

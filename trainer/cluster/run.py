@@ -75,7 +75,8 @@ class ClusterTrainer(Trainer):
         self.trainer_restarts = 0
         self.trainer_restart_times: deque[float] = deque()
         self._owns_ray = False
-        self._trainer_actor: Any = None
+        self._trainer_actor: Any = None  # rank 0
+        self._trainer_ranks: list[Any] = []
         self._trainer_group: Any = None
         self._monitor_task: asyncio.Task | None = None
         self.control: ControlServer | None = None
@@ -140,19 +141,36 @@ class ClusterTrainer(Trainer):
             await self.workers.set_engines(epoch, members)
 
     async def _start_trainer(self) -> None:
+        """The trainer's ranks in their placement group (reserved once: restarted ranks land on the same nodes
+        and GPUs), set up together; rank 0 is the loop's backend, the others follow it."""
         fault = None
         if self.faults.trainer and self.faults.trainer_times > 0:
             fault = self.faults.trainer
             self.faults.trainer_times -= 1
         t = self.cluster.trainer
-        if self._trainer_group is None:  # reserved once: a restarted rank lands on the same node and GPUs
-            self._trainer_group = await reserve([bundle(t.num_cpus, t.num_gpus)], "PACK", START_TIMEOUT_S,
-                                                "the trainer rank")
-        options: dict[str, Any] = {"num_cpus": t.num_cpus, "num_gpus": t.num_gpus, "max_restarts": 0,
-                                   "max_task_retries": 0, **in_group(self._trainer_group)}
-        self._trainer_actor = ray.remote(TrainerRank).options(**options).remote(self.cfg, fault)
-        info = await asyncio.wait_for(call(self._trainer_actor.ready), START_TIMEOUT_S)
-        self.backend = RemoteBackend(self._trainer_actor, version=int(info["version"]))
+        if self._trainer_group is None:
+            self._trainer_group = await reserve([bundle(t.num_cpus, t.num_gpus)] * t.world_size, "PACK",
+                                                START_TIMEOUT_S, "the trainer ranks")
+        ranks: list[Any] = []
+        for rank in range(t.world_size):
+            # rank 0 takes one call at a time, as the loop makes them; a follower answers `ready` while following
+            options: dict[str, Any] = {"num_cpus": t.num_cpus, "num_gpus": t.num_gpus, "max_restarts": 0,
+                                       "max_task_retries": 0, "max_concurrency": 1 if rank == 0 else 2,
+                                       **in_group(self._trainer_group, rank)}
+            ranks.append(ray.remote(TrainerRank).options(**options).remote(self.cfg, fault if rank == 0 else None))
+        self._trainer_ranks = ranks
+        self._trainer_actor = ranks[0]
+        master = await call(ranks[0].address) if t.world_size > 1 else None
+        infos = await asyncio.wait_for(asyncio.gather(*(call(r.setup, i, t.world_size, master)
+                                                        for i, r in enumerate(ranks))), START_TIMEOUT_S)
+        followers = [r.follow.remote() for r in ranks[1:]]
+        self.backend = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers)
+
+    def _kill_trainer(self) -> None:
+        for rank in self._trainer_ranks:
+            ray.kill(rank)
+        self._trainer_ranks = []
+        self._trainer_actor = None
 
     async def _publish(self) -> None:
         """The trainer rank's weights at its version to every ACTIVE engine, as `cluster.weight_sync` says."""
@@ -234,14 +252,13 @@ class ClusterTrainer(Trainer):
         budget = self.cluster.health.max_trainer_restarts
         lost_at = self.step
         if self.trainer_restarts >= budget:
-            ray.kill(self._trainer_actor)
-            self._trainer_actor = None
+            self._kill_trainer()
             raise RunStopped(f"the trainer rank was lost at step {lost_at} ({reason}) after {self.trainer_restarts} "
                              f"restarts (cluster.health.max_trainer_restarts={budget}); the run stopped at its last "
                              f"checkpoint (step {self.checkpoints.latest_step()}): rerun to resume")
         self.trainer_restarts += 1
         started = time.perf_counter()
-        ray.kill(self._trainer_actor)
+        self._kill_trainer()
         # everything after the last checkpoint is forgotten, as a resumed run forgets it
         self.step = 0
         self.next_task = 0
@@ -275,8 +292,7 @@ class ClusterTrainer(Trainer):
         for role in ("workers", "fleet"):
             if hasattr(self, role):
                 await getattr(self, role).shutdown()
-        if self._trainer_actor is not None:
-            ray.kill(self._trainer_actor)
+        self._kill_trainer()
         release(self._trainer_group)
         if self._owns_ray:
             ray.shutdown()
