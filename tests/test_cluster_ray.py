@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import textwrap
 from collections import Counter
 
 import pytest
@@ -135,7 +136,10 @@ def test_a_hung_engine_is_found_probed_and_replaced(ray_cluster, reference, tmp_
 def test_the_control_api_scales_engines_out_and_in_while_training(ray_cluster, reference, tmp_path):
     """Refuses an unauthenticated request; an authenticated scale-out adds an engine synced to the published
     weights (a repeat is a no-op, a concurrent one a 409); scale-in drains the newest engine (LIFO)."""
-    httpx = pytest.importorskip("httpx")
+    import httpx
+
+    from relax_gym.cli import main
+
     run_dir = tmp_path / "run"
     ops: dict[str, dict] = {}
 
@@ -164,10 +168,11 @@ def test_the_control_api_scales_engines_out_and_in_while_training(ray_cluster, r
                 ops["out"] = await until_done(client, started.json()["op_id"])
                 again = await client.post("/v1/engines/scale_out", json={"num_engines": 3})
                 assert again.status_code == 200 and again.json()["state"] == "NOOP"
-            else:
-                started = await client.post("/v1/engines/scale_in", json={"num_engines": 2, "drain_timeout_s": 30})
-                assert started.status_code == 202, started.text
-                ops["in"] = await until_done(client, started.json()["op_id"])
+            else:  # through the product's client, as an operator would (in a thread: this loop serves the API)
+                assert await asyncio.to_thread(main, ["cluster", "status", "--run-dir", str(run_dir)]) == 0
+                assert await asyncio.to_thread(main, ["cluster", "scale-in", "--run-dir", str(run_dir), "--engines",
+                                                      "2", "--drain-timeout", "30", "--wait"]) == 0
+                ops["in"] = (await client.get("/v1/ops")).json()[0]
                 ops["engines"] = (await client.get("/v1/engines")).json()
 
     train_cluster(config(run_dir, "cluster.control.enabled=true"), on_step=operate)
@@ -250,3 +255,23 @@ def test_megatron_ranks_as_ray_actors_train_and_restart_when_a_follower_is_lost(
     assert len(restarts) == 1 and restarts[0]["resumes_from_step"] == 2
     assert {"model_tp0_pp0.pt", "model_tp1_pp0.pt", "model.safetensors"} <= {
         p.name for p in (run_dir / "checkpoints" / "step_3").iterdir()}
+
+
+def test_an_env_given_as_a_file_is_registered_in_the_workers_too(ray_cluster, tmp_path):
+    """`envs[].id: file.py` registers its ids where the episodes run, not only in the controller."""
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text(textwrap.dedent("""
+        import relax_gym
+        from relax_gym.envs.procedural import ArithmeticEnv
+
+        class MyArithmetic(ArithmeticEnv):
+            pass
+
+        relax_gym.register("test/MyArithmetic-v0", MyArithmetic)
+    """))
+    run_dir = tmp_path / "run"
+    summary = train_cluster(config(run_dir, f"envs=[{{id: {env_file}, kwargs: {{digits: 1}}}}]",
+                                   "cluster.engines.count=1", "cluster.rollout_workers.count=1",
+                                   "trainer.total_steps=1"))
+    assert summary["steps"] == 1
+    assert records(run_dir)[0]["status"].get("failed", 0) == 0
