@@ -26,8 +26,9 @@ class EnginesSection(_Strict):
     host: str | None = None
     count: int = Field(2, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    #: GPUs of each of the engine's `tp` ranks (the engine reserves num_gpus x tp, on one node)
     num_gpus: float = Field(0, ge=0)
-    #: the GPUs of one engine (its tensor-parallel size); they are packed on one node by a placement group
+    #: the engine's tensor-parallel size
     tp: int = Field(1, ge=1)
 
 

@@ -82,7 +82,9 @@ class ActorFleet:
         self.slots: dict[str, EngineSlot] = {}
         self.lock = asyncio.Lock()
         self.epoch = 0
-        self.published: Any = None  # the ObjectRef of the last published state dict (for engines joining later)
+        #: what a joining engine loads: the last published state dict's ObjectRef, or folder (disk), or
+        #: "distributed" (the trainer sends its weights through a group of the joiner's own); None before any
+        self.published: Any = None
         self.published_version = 0
         self._next_id = 0
         self._on_change = on_change
@@ -90,7 +92,7 @@ class ActorFleet:
         self._status = status or (lambda: {})
         #: faults to inject by engine id, given to that engine's first incarnation only (tests, chaos runs)
         self.faults = dict(faults or {})
-        #: the bearer token of served engines (`kind: serve`), and of external servers unless they need another
+        #: the bearer token of served engines (`kind: serve`); external servers get $RELAX_GYM_API_KEY's
         self.api_key = api_key
         #: the disk strategy's folders, oldest first (the newest is what a joining engine loads)
         self.folders: deque[Path] = deque()
@@ -229,7 +231,8 @@ class ActorFleet:
         try:
             await self._bring_up(slot, on_state)
         except BaseException:
-            self._end(slot, release_group=True)  # a scale-out that failed gives back what it reserved
+            self._end(slot, release_group=True)  # a scale-out that failed gives back what it reserved,
+            slot.state = "REMOVED"  # and is not the health manager's to revive
             raise
         self._event("engine_added", engine_id=engine_id, ready_s=round(time.monotonic() - started, 3),
                     version=slot.version)

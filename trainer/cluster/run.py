@@ -28,6 +28,7 @@ import ray
 
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped, StartupError
+from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
@@ -113,8 +114,8 @@ class ClusterTrainer(Trainer):
         self.monitor = HealthMonitor(self.fleet, self.workers, self.cluster.health,
                                      episode_timeout_s=self.cfg.rollout.episode_timeout_s, event=self.event)
         self._monitor_task = asyncio.create_task(self.monitor.run())
-        self.log.note(f"cluster: {len(self.fleet.slots)} engines, {len(self.workers.slots)} rollout workers and the "
-                      f"trainer rank started in {time.perf_counter() - t0:.1f} s")
+        self.log.note(f"cluster: {len(self.fleet.slots)} engines, {len(self.workers.slots)} rollout workers and "
+                      f"{len(self._trainer_ranks)} trainer ranks started in {time.perf_counter() - t0:.1f} s")
         if self.cluster.control.enabled:
             await self._start_control()
 
@@ -233,6 +234,15 @@ class ClusterTrainer(Trainer):
                 "cluster/engine_restarts": sum(len(s.restarts) for s in self.fleet.slots.values()),
                 "cluster/worker_restarts": sum(len(s.restarts) for s in self.workers.slots.values()),
                 "cluster/trainer_restarts": self.trainer_restarts}
+
+    def _check_engine(self, group: Group) -> None:
+        """An episode that found no live engine for `engine_wait_s` ends the run (its tasks stay in the ledger)."""
+        for t in group:
+            if t.status == "aborted" and t.status_reason.startswith(ENGINE_UNAVAILABLE):
+                h = self.cluster.health
+                raise RunStopped(f"no engine was live for cluster.health.engine_wait_s={h.engine_wait_s:g} s, so "
+                                 f"the run stopped at step {self.step} (checkpointed): {t.status_reason}. The engines' "
+                                 f"failures are in {self.run_dir / 'events.jsonl'}; rerun to resume.")
 
     async def _after_step(self) -> None:
         if self.on_step is not None:
