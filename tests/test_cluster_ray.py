@@ -275,3 +275,11 @@ def test_an_env_given_as_a_file_is_registered_in_the_workers_too(ray_cluster, tm
                                    "trainer.total_steps=1"))
     assert summary["steps"] == 1
     assert records(run_dir)[0]["status"].get("failed", 0) == 0
+
+
+def test_a_stuck_trainer_rank_is_restarted_from_its_checkpoint(ray_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    train_cluster(config(run_dir, "cluster.health.trainer_stall_s=5"), faults=Faults(trainer={"hang_at_step": 3}))
+    assert losses(records(run_dir)) == losses(reference)
+    restarts = [e for e in events(run_dir) if e["event"] == "trainer_restarted"]
+    assert len(restarts) == 1 and "did not answer for 5 s" in restarts[0]["reason"]

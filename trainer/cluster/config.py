@@ -64,6 +64,8 @@ class HealthSection(_Strict):
     restart_window_s: float = Field(600.0, gt=0)
     #: trainer restarts from the last checkpoint for the whole run; one more failure stops the run
     max_trainer_restarts: int = Field(3, ge=0)
+    #: a trainer call (a step, a checkpoint, the weights) that has not answered for this long is a lost trainer
+    trainer_stall_s: float = Field(1800.0, gt=0)
     #: scale-in never goes below this many engines
     min_engines: int = Field(1, ge=1)
     #: at most this fraction of the engines is replaced in one round; if more than half fail at once, none is

@@ -92,19 +92,23 @@ class RemoteBackend:
     """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank`); blocking, as the loop
     calls backends from a worker thread."""
 
-    def __init__(self, actor: Any, version: int = 0, followers: list[Any] | None = None):
+    def __init__(self, actor: Any, version: int = 0, followers: list[Any] | None = None,
+                 stall_s: float | None = None):
         """`followers`: the refs of the other ranks' `follow` calls, which end only when a rank is lost (a
-        collective call would otherwise wait for the lost rank until its timeout)."""
+        collective call would otherwise wait for the lost rank until its timeout). A call that has not answered
+        within `stall_s` is a stuck trainer, lost like a dead one."""
         self.actor = actor
         self._version = version
         self.followers = list(followers or [])
+        self.stall_s = stall_s
 
     def _get(self, ref: Any) -> Any:
         try:
-            while self.followers:
-                done, _ = ray.wait([ref, *self.followers], num_returns=1)
-                if done[0] == ref:
-                    break
+            done, _ = ray.wait([ref, *self.followers], num_returns=1, timeout=self.stall_s)
+            if not done:
+                raise TrainerLost(f"the trainer rank did not answer for {self.stall_s:g} s "
+                                  "(cluster.health.trainer_stall_s)")
+            if done[0] != ref:
                 ray.get(done[0])  # a follower's call ended: it raises, or it returned early
                 raise TrainerLost("a follower trainer rank stopped following rank 0")
             return ray.get(ref)

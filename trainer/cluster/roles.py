@@ -217,7 +217,8 @@ class TrainerRank:
 
     The backend is built by `setup`, called on every rank at once (forming the process group waits for all).
     `fault` injects a deterministic failure for tests and the chaos benchmark: `{"crash_at_step": n}` ends the
-    process when asked to train step n, `{"raise_at_step": n}` raises there (a bug, not a lost process)."""
+    process when asked to train step n, `{"raise_at_step": n}` raises there (a bug, not a lost process),
+    `{"hang_at_step": n}` never answers."""
 
     def __init__(self, cfg: TrainConfig, fault: dict[str, int] | None = None):
         self.cfg = cfg
@@ -284,6 +285,8 @@ class TrainerRank:
             os._exit(1)
         if self.fault.get("raise_at_step") == step:
             raise ValueError(f"injected fault: raise_at_step={step}")
+        if self.fault.get("hang_at_step") == step:
+            threading.Event().wait()
         metrics = self.backend.train_step(samples, loss_fn, temperature=temperature)
         return metrics, self.backend.version
 

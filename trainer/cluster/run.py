@@ -74,7 +74,6 @@ class ClusterTrainer(Trainer):
     def _build_roles(self) -> None:
         """Nothing starts here: the actors are created in `_connect`, inside the run."""
         self.trainer_restarts = 0
-        self.trainer_restart_times: deque[float] = deque()
         self._owns_ray = False
         self._trainer_actor: Any = None  # rank 0
         self._trainer_ranks: list[Any] = []
@@ -104,6 +103,8 @@ class ClusterTrainer(Trainer):
             await self.fleet.start(self.cluster.engines.count)
             await self._publish()
             await self.workers.start(self.cluster.rollout_workers.count)
+            if self.cluster.control.enabled:
+                await self._start_control()
         except BaseException as err:
             await self._close_engine()
             self.log.close(plot=False)
@@ -116,8 +117,6 @@ class ClusterTrainer(Trainer):
         self._monitor_task = asyncio.create_task(self.monitor.run())
         self.log.note(f"cluster: {len(self.fleet.slots)} engines, {len(self.workers.slots)} rollout workers and "
                       f"{len(self._trainer_ranks)} trainer ranks started in {time.perf_counter() - t0:.1f} s")
-        if self.cluster.control.enabled:
-            await self._start_control()
 
     async def _start_control(self) -> None:
         """The elastic-rollout control API, in this loop (where the fleet lives), behind a bearer token."""
@@ -162,10 +161,15 @@ class ClusterTrainer(Trainer):
         self._trainer_ranks = ranks
         self._trainer_actor = ranks[0]
         master = await call(ranks[0].address) if t.world_size > 1 else None
-        infos = await asyncio.wait_for(asyncio.gather(*(call(r.setup, i, t.world_size, master)
-                                                        for i, r in enumerate(ranks))), START_TIMEOUT_S)
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(call(r.setup, i, t.world_size, master)
+                                                            for i, r in enumerate(ranks))), START_TIMEOUT_S)
+        except TimeoutError:
+            raise StartupError(f"cluster: the {t.world_size} trainer ranks were not set up within "
+                               f"{START_TIMEOUT_S:g} s (a rank waiting for the others? see Ray's logs)") from None
         followers = [r.follow.remote() for r in ranks[1:]]
-        self.backend = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers)
+        self.backend = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers,
+                                     stall_s=self.cluster.health.trainer_stall_s)
 
     def _kill_trainer(self) -> None:
         for rank in self._trainer_ranks:

@@ -69,7 +69,10 @@ class WorkerPool:
         return actor
 
     async def _bring_up(self, slot: WorkerSlot) -> None:
-        await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"rollout worker {slot.worker_id} did not start within {START_TIMEOUT_S:g} s") from None
         epoch, members = self._engines()  # engines may have changed while it was starting
         await call(slot.actor.set_engines, epoch, members)
         async with self._live:
