@@ -66,18 +66,11 @@ class HealthMonitor:
             return err
 
     async def _answers(self, slot: EngineSlot) -> bool:
+        """The engine's probe, bounded by `probe_timeout_s`: a timeout or an error is a failed probe."""
         try:
             return await asyncio.wait_for(self.fleet.probe(slot), self.h.probe_timeout_s)
         except Exception:
             return False
-
-    async def _probe(self, actor: Any) -> bool:
-        try:
-            await asyncio.wait_for(call(actor.probe), self.h.probe_timeout_s)
-            return True
-        except Exception:
-            return False
-
     async def check_engines(self) -> None:
         watched = [s for s in self.fleet.slots.values() if s.state in ("ACTIVE", "DRAINING")]
         external = [s for s in watched if s.kind == "http"]  # no progress view: an answer to /health is the test
@@ -96,7 +89,7 @@ class HealthMonitor:
         if self._backoff_rounds:
             self._backoff_rounds -= 1
             suspects = []
-        probes = await asyncio.gather(*(self._probe(s.actor) for s in suspects))
+        probes = await asyncio.gather(*(self._answers(s) for s in suspects))
         failed = [s.engine_id for s, ok in zip(suspects, probes, strict=True) if not ok]
         self.probe_failures += len(failed)
         for engine_id in failed:
