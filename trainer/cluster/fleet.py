@@ -282,11 +282,11 @@ class ActorFleet:
         return True
 
     # --- publishing -------------------------------------------------------------------
-    async def publish(self, weights: dict[str, torch.Tensor] | Path | None, version: int) -> int:
-        """`weights` at `version` to every ACTIVE engine: a state dict goes through the object store (one copy
-        for all), a folder is loaded from disk (older folders are pruned, the newest kept for joining engines),
-        None means the trainer rank broadcasts its own (`distribute`). Returns how many acknowledged. An engine
-        that fails is DEAD (the health manager replaces it); the others go on."""
+    async def publish(self, weights: ray.ObjectRef | dict[str, torch.Tensor] | Path | None, version: int) -> int:
+        """`weights` at `version` to every ACTIVE engine: a state dict (or its ObjectRef) goes through the object
+        store (one copy for all), a folder is loaded from disk (older folders are pruned, the newest kept for
+        joining engines), None means the trainer rank broadcasts its own (`distribute`). Returns how many
+        acknowledged. An engine that fails is DEAD (the health manager replaces it); the others go on."""
         async with self.lock:
             slots = [s for s in self.slots.values() if s.state == "ACTIVE"]
             published: Any = weights
@@ -297,7 +297,7 @@ class ActorFleet:
             else:
                 if isinstance(weights, Path):
                     self.folders.append(weights)
-                else:
+                elif not isinstance(weights, ray.ObjectRef):
                     published = ray.put(weights)
                 results = await asyncio.gather(
                     *(asyncio.wait_for(self._load(s, published, version), START_TIMEOUT_S) for s in slots),

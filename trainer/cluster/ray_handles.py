@@ -102,7 +102,8 @@ class RemoteBackend:
         self.followers = list(followers or [])
         self.stall_s = stall_s
 
-    def _get(self, ref: Any) -> Any:
+    def _wait(self, ref: Any) -> Any:
+        """`ref` once its call has answered; TrainerLost if a rank is lost or stuck meanwhile."""
         try:
             done, _ = ray.wait([ref, *self.followers], num_returns=1, timeout=self.stall_s)
             if not done:
@@ -111,7 +112,13 @@ class RemoteBackend:
             if done[0] != ref:
                 ray.get(done[0])  # a follower's call ended: it raises, or it returned early
                 raise TrainerLost("a follower trainer rank stopped following rank 0")
-            return ray.get(ref)
+        except ACTOR_GONE as err:
+            raise TrainerLost(f"a trainer rank's process is gone ({type(err).__name__})") from None
+        return ref
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return ray.get(self._wait(ref))
         except ACTOR_GONE as err:
             raise TrainerLost(f"a trainer rank's process is gone ({type(err).__name__})") from None
 
@@ -136,6 +143,11 @@ class RemoteBackend:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self._get(self.actor.hf_state_dict.remote())
         return state
+
+    def hf_state_dict_ref(self) -> Any:
+        """The weights as an ObjectRef this process owns, without fetching them: engines load them straight
+        from the object store (one copy crosses, and it outlives the trainer rank)."""
+        return self._wait(self.actor.hf_state_dict.remote())
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._get(self.actor.save_checkpoint.remote(str(path), extra))

@@ -99,19 +99,21 @@ class ClusterTrainer(Trainer):
                                     distribute=self._distribute if self.cluster.weight_sync == "distributed" else None)
             self.workers = WorkerPool(self.cfg, engines=self._engines_view, event=self.event,
                                       faults=self.faults.workers)
-            await self._start_trainer()
-            await self.fleet.start(self.cluster.engines.count)
-            await self._publish()
-            await self.workers.start(self.cluster.rollout_workers.count)
+            async with asyncio.TaskGroup() as starting:  # each role loads the model in its own process: at once
+                starting.create_task(self._start_trainer())
+                starting.create_task(self.fleet.start(self.cluster.engines.count))
+                starting.create_task(self.workers.start(self.cluster.rollout_workers.count))
+            await self._publish()  # the trainer's initial weights, before any group is admitted
             if self.cluster.control.enabled:
                 await self._start_control()
-        except BaseException as err:
+        except BaseException as raised:
+            err = raised.exceptions[0] if isinstance(raised, BaseExceptionGroup) else raised  # the first role's
             await self._close_engine()
             self.log.close(plot=False)
             self._abandon()
             if isinstance(err, Exception) and not isinstance(err, StartupError | RunStopped):
                 raise StartupError(f"cluster: the roles could not start: {type(err).__name__}: {err}") from None
-            raise
+            raise err from None
         self.monitor = HealthMonitor(self.fleet, self.workers, self.cluster.health,
                                      episode_timeout_s=self.cfg.rollout.episode_timeout_s, event=self.event)
         self._monitor_task = asyncio.create_task(self.monitor.run())
@@ -168,8 +170,9 @@ class ClusterTrainer(Trainer):
             raise StartupError(f"cluster: the {t.world_size} trainer ranks were not set up within "
                                f"{START_TIMEOUT_S:g} s (a rank waiting for the others? see Ray's logs)") from None
         followers = [r.follow.remote() for r in ranks[1:]]
-        self.backend = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers,
-                                     stall_s=self.cluster.health.trainer_stall_s)
+        self.remote = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers,
+                                    stall_s=self.cluster.health.trainer_stall_s)
+        self.backend = self.remote
 
     def _kill_trainer(self) -> None:
         for rank in self._trainer_ranks:
@@ -180,7 +183,7 @@ class ClusterTrainer(Trainer):
     async def _publish(self) -> None:
         """The trainer rank's weights at its version to every ACTIVE engine, as `cluster.weight_sync` says."""
         version = self.backend.version
-        weights: dict[str, Any] | Path | None = None  # distributed: the trainer rank sends its own
+        weights: ray.ObjectRef | Path | None = None  # distributed: the trainer rank sends its own
         if self.cluster.weight_sync == "disk":
             weights = self.run_dir / "weights" / f"v{version}"
             try:
@@ -188,7 +191,7 @@ class ClusterTrainer(Trainer):
             except ACTOR_GONE as err:
                 raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
         elif self.cluster.weight_sync == "object_store":
-            weights = await asyncio.to_thread(self.backend.hf_state_dict)
+            weights = await asyncio.to_thread(self.remote.hf_state_dict_ref)
         await self.fleet.publish(weights, version)
 
     async def _distribute(self, urls: list[str], alone: bool) -> int:
