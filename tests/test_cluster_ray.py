@@ -13,6 +13,7 @@ import os
 import signal
 import textwrap
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -283,3 +284,28 @@ def test_a_stuck_trainer_rank_is_restarted_from_its_checkpoint(ray_cluster, refe
     assert losses(records(run_dir)) == losses(reference)
     restarts = [e for e in events(run_dir) if e["event"] == "trainer_restarted"]
     assert len(restarts) == 1 and "did not answer for 5 s" in restarts[0]["reason"]
+
+
+def test_sglang_engines_are_launched_supervised_and_replaced(ray_cluster, reference, tmp_path):
+    """`cluster.engines.kind=sglang`: each engine actor starts a server from SGLang's launch command line (here
+    a named fake of it that serves relax-gym's SGLang-compatible app), workers route to it over HTTP, weights go by
+    disk; a killed actor takes its server with it, and the engine comes back synced."""
+    import sys
+
+    import httpx
+
+    run_dir = tmp_path / "run"
+    fake = str(Path(__file__).with_name("fake_sglang_server.py"))
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            url = run.fleet.slots["engine-0"].url
+            ray.kill(run.fleet.slots["engine-0"].actor)
+            await restarted(run, "engine-0")
+            with pytest.raises(httpx.HTTPError):  # the old server died with its actor
+                httpx.get(f"{url}/health", timeout=2)
+
+    train_cluster(config(run_dir, "cluster.engines.kind=sglang", "cluster.weight_sync=disk",
+                         f"cluster.engines.launch=[{sys.executable}, {fake}]"), on_step=chaos)
+    assert losses(records(run_dir)) == losses(reference)
+    assert_exactly_once(run_dir)

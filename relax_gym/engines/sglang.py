@@ -332,6 +332,14 @@ class SGLangEngine:
             self._outages += 1
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent thread ends (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 @dataclass
 class SGLangServer:
     """A `python -m sglang.launch_server` subprocess; `stop()` (or leaving a `with`) ends it."""
@@ -360,18 +368,24 @@ class SGLangServer:
 
 
 def launch_sglang_server(
-    model_path: str | os.PathLike, port: int, *extra_args: str, host: str = "127.0.0.1", timeout_s: float = 600.0
+    model_path: str | os.PathLike, port: int, *extra_args: str, host: str = "127.0.0.1", timeout_s: float = 600.0,
+    command: Sequence[str] | None = None, die_with_parent: bool = False,
 ) -> SGLangServer:
-    """Starts SGLang on `model_path` and waits until /health answers 200; its log goes to a temp file."""
-    if importlib.util.find_spec("sglang") is None:
+    """Starts SGLang on `model_path` and waits until /health answers 200; its log goes to a temp file.
+
+    `command` replaces `python -m sglang.launch_server` (a wrapper, a container, a fake in tests): it is given
+    SGLang's own arguments. `die_with_parent` has the kernel kill the server when the thread that started it
+    ends (Linux; an engine actor's server must not outlive a killed actor)."""
+    if command is None and importlib.util.find_spec("sglang") is None:
         raise EngineError(
             f"sglang is not installed in {sys.executable}: install it (pip install 'relax-gym[sglang]') on a "
             "machine it supports, or serve the embedded engine instead (relax-gym serve --model ...)"
         )
     with tempfile.NamedTemporaryFile(prefix="sglang-", suffix=".log", delete=False) as log:
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+        base = list(command) if command is not None else [sys.executable, "-m", "sglang.launch_server"]
         process = subprocess.Popen(
-            [*command, "--host", host, "--port", str(port), *extra_args], stdout=log, stderr=subprocess.STDOUT
+            [*base, "--model-path", str(model_path), "--host", host, "--port", str(port), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if die_with_parent else None,
         )
     server = SGLangServer(process, f"http://{host}:{port}", Path(log.name))
     deadline = time.monotonic() + timeout_s

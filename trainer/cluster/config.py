@@ -19,9 +19,15 @@ class EnginesSection(_Strict):
     """The inference engines, one Ray actor each (the embedded transformers engine inside).
 
     `kind: embedded` serves rollout workers through actor calls; `kind: serve` has each actor serve SGLang's
-    native HTTP routes (`relax-gym serve`'s app), which workers call as they would an SGLang server."""
+    native HTTP routes (`relax-gym serve`'s app), which workers call as they would an SGLang server; `kind: sglang`
+    has each actor start an SGLang server (`python -m sglang.launch_server`, or `launch`) on its GPUs."""
 
-    kind: Literal["embedded", "serve"] = "embedded"
+    kind: Literal["embedded", "serve", "sglang"] = "embedded"
+    #: `kind: sglang`: the command that replaces `python -m sglang.launch_server` (a wrapper, a container); it is
+    #: given SGLang's arguments (--model-path, --host, --port, --tp-size, --api-key, then `args`)
+    launch: list[str] | None = None
+    #: `kind: sglang`: more arguments for the server, e.g. [--mem-fraction-static, "0.8"]
+    args: list[str] = Field(default_factory=list)
     #: where a served engine listens: default loopback on a local cluster, the node's address on a joined one
     host: str | None = None
     count: int = Field(2, ge=1)
@@ -108,7 +114,11 @@ class ClusterSection(_Strict):
 
     @model_validator(mode="after")
     def _reachable(self) -> ClusterSection:
-        if self.weight_sync == "distributed" and self.engines.kind != "serve":
+        if self.weight_sync == "distributed" and self.engines.kind == "embedded":
             raise ValueError("cluster.weight_sync=distributed reaches engines through SGLang's HTTP routes: set "
-                             "cluster.engines.kind=serve (or use object_store / disk)")
+                             "cluster.engines.kind=serve or sglang (or use object_store / disk)")
+        if self.engines.kind == "sglang" and self.weight_sync == "object_store":
+            raise ValueError("cluster.engines.kind=sglang takes weights from disk or by broadcast (SGLang's "
+                             "/update_weights_from_tensor needs CUDA IPC handles): set cluster.weight_sync=disk or "
+                             "distributed")
         return self

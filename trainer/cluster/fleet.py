@@ -27,12 +27,15 @@ from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
-from relax_gym.trainer.cluster.roles import EngineService
+from relax_gym.trainer.cluster.roles import EngineService, ServerSupervisor
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
 from relax_gym.trainer.config import TrainConfig
 
 #: how long a new engine may take to build its model and answer (and one weight load)
 START_TIMEOUT_S = 300.0
+#: engines seen only through their HTTP routes (an external server, an SGLang process): no progress view, so
+#: they are probed every poll, and they load weights through their own routes
+OUTSIDE_VIEW = ("http", "sglang")
 #: weight folders kept by the disk strategy: the newest (for joining engines) and the one before
 KEEP_FOLDERS = 2
 
@@ -128,7 +131,10 @@ class ActorFleet:
         options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "max_restarts": 0,
                                    "max_task_retries": 0, "max_concurrency": 1000, **in_group(slot.group)}
         fault = self.faults.pop(slot.engine_id, None)
-        slot.actor = ray.remote(EngineService).options(**options).remote(slot.engine_id, self.cfg, fault)
+        if slot.kind == "sglang":
+            slot.actor = ray.remote(ServerSupervisor).options(**options).remote(slot.engine_id, self.cfg)
+        else:
+            slot.actor = ray.remote(EngineService).options(**options).remote(slot.engine_id, self.cfg, fault)
         slot.client = RayEngineClient(slot.engine_id, slot.actor)
         slot.url = None
 
@@ -149,7 +155,7 @@ class ActorFleet:
             else:
                 await self._spawn(slot)
                 await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
-                if slot.kind == "serve":
+                if slot.kind in ("serve", "sglang"):
                     slot.url = await call(slot.actor.serve_http, self._host(), self.api_key)
                     slot.client = member_client(slot.url, self.api_key)
             step = "HEALTH_CHECKING"
@@ -196,14 +202,14 @@ class ActorFleet:
 
     async def probe(self, slot: EngineSlot) -> bool:
         """One greedy token from an engine actor; an external server's /health (SGLang's generates a token)."""
-        if slot.kind == "http":
+        if slot.kind in OUTSIDE_VIEW:
             assert slot.client is not None
             return await slot.client.health()
         return bool(await call(slot.actor.probe))
 
     async def _load(self, slot: EngineSlot, weights: Any, version: int) -> int:
         """`weights` (an object-store ref or a folder) into one engine; returns the version it then holds."""
-        if slot.kind == "http":
+        if slot.kind in OUTSIDE_VIEW:
             assert slot.client is not None
             await slot.client.update_weights(weights, version)
             return version
@@ -348,7 +354,7 @@ class ActorFleet:
             slot.state = "DRAINING"
             await self._changed()
         deadline = time.monotonic() + timeout_s
-        while slot.actor is not None:  # an external server reports no progress: it is given the timeout
+        while slot.kind not in OUTSIDE_VIEW:  # a server seen only from outside is given the whole timeout
             try:
                 stats = await asyncio.wait_for(call(slot.actor.stats), 10.0)
             except (*ACTOR_GONE, TimeoutError):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from relax_gym.trainer.cluster.config import HealthSection
-from relax_gym.trainer.cluster.fleet import ActorFleet, EngineSlot
+from relax_gym.trainer.cluster.fleet import OUTSIDE_VIEW, ActorFleet, EngineSlot
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, call
 from relax_gym.trainer.cluster.workers import WorkerPool
 
@@ -73,10 +73,10 @@ class HealthMonitor:
             return False
     async def check_engines(self) -> None:
         watched = [s for s in self.fleet.slots.values() if s.state in ("ACTIVE", "DRAINING")]
-        external = [s for s in watched if s.kind == "http"]  # no progress view: an answer to /health is the test
-        answers = await asyncio.gather(*(self._answers(s) for s in external))
-        dead = [s.engine_id for s, ok in zip(external, answers, strict=True) if not ok]
-        slots = [s for s in watched if s.kind != "http"]
+        outside = [s for s in watched if s.kind in OUTSIDE_VIEW]  # no progress view: their answers are the test
+        answers = await asyncio.gather(*(self._answers(s) for s in outside))
+        dead = [s.engine_id for s, ok in zip(outside, answers, strict=True) if not ok]
+        slots = [s for s in watched if s.kind not in OUTSIDE_VIEW]
         results = await asyncio.gather(*(self._stats(s.actor) for s in slots))
         suspects = []
         for slot, result in zip(slots, results, strict=True):

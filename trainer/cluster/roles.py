@@ -136,6 +136,56 @@ class EngineService:
         await self.engine.close()
 
 
+class ServerSupervisor:
+    """An engine that is a server process of its own (SGLang's `launch_server`, or `cluster.engines.launch`),
+    started and owned by this actor: the server gets the actor's GPUs and dies with it. Workers reach it over
+    HTTP; the health manager sees no progress from here, so it probes the server itself."""
+
+    def __init__(self, engine_id: str, cfg: TrainConfig):
+        assert cfg.cluster is not None
+        self.engine_id = engine_id
+        self.cfg = cfg
+        self.server: Any = None
+
+    def ready(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "pid": os.getpid(), "version": 0}
+
+    async def serve_http(self, host: str, api_key: str) -> str:
+        """Starts the server on a free port of `host` and returns its URL once /health answers. The thread that
+        starts it stays its parent for its whole life, so the kernel kills it when this actor dies."""
+        from relax_gym.engines.sglang import launch_sglang_server
+
+        assert self.cfg.cluster is not None
+        c = self.cfg.cluster.engines
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[Any] = loop.create_future()
+
+        def parent() -> None:
+            try:
+                server = launch_sglang_server(self.cfg.model.path, port, "--tp-size", str(c.tp), "--api-key", api_key,
+                                              *c.args, host=host, command=c.launch, die_with_parent=True)
+            except BaseException as err:
+                loop.call_soon_threadsafe(started.set_exception, err)
+                return
+            loop.call_soon_threadsafe(started.set_result, server)
+            server.process.wait()
+
+        threading.Thread(target=parent, name=f"{self.engine_id}-server", daemon=True).start()
+        self.server = await started
+        return str(self.server.url)
+
+    def stats(self) -> dict[str, Any]:
+        """No progress view from outside the server (the health manager probes it instead)."""
+        return {"inflight": 0, "done": 0, "idle_s": 0.0, "version": -1}
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+
 class _Counted:
     """The engine as the HTTP app sees it, with every generation counted in its service's progress (the health
     manager's view of an engine served over HTTP) and faults injected as for actor calls."""
