@@ -40,6 +40,7 @@ defines it and, in brackets, a shorter path that re-exports it
           RequestError              relax_gym.engines.base [relax_gym.engines]
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
         EpisodeOverError            relax_gym.core [relax_gym]
+        PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
           SandboxUnavailableError   relax_gym.sandbox.result [relax_gym.sandbox]

@@ -196,7 +196,10 @@ def plot_rewards(metrics_path: Path, out: Path) -> Path:
     ax.set_xlabel("step (policy version)")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:
+        ax.legend()
+    else:  # a run that stopped before its first step: an empty plot that says so
+        ax.text(0.5, 0.5, "no step was trained", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
