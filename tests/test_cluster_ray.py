@@ -84,8 +84,16 @@ def test_a_rollout_worker_killed_with_groups_in_flight_loses_none(ray_cluster, r
     run_dir = tmp_path / "run"
 
     async def chaos(run: ClusterTrainer) -> None:
+        slot = run.workers.slots["rollout-0"]
         if run.step == 1:
-            ray.kill(run.workers.slots["rollout-0"].actor)
+            ray.kill(slot.actor)
+        if run.step == STEPS - 1:  # it is recreated in the background while the other worker plays on
+
+            async def back() -> None:
+                while not (slot.alive and slot.restarts):
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(back(), 60)
 
     train_cluster(config(run_dir), on_step=chaos)
     assert losses(records(run_dir)) == losses(reference)

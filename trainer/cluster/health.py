@@ -129,10 +129,9 @@ class HealthMonitor:
         results = await asyncio.gather(*(self._stats(s.actor) for s in slots))
         for slot, result in zip(slots, results, strict=True):
             if isinstance(result, ACTOR_GONE):
-                self._background(slot.worker_id, self.workers.lost(slot.worker_id, "died"))
+                self.workers.lost(slot.worker_id, "died")
             elif isinstance(result, BaseException) or is_stalled(result, self.worker_stall_s):
-                why = f"no group finished for {self.worker_stall_s:g} s"
-                self._background(slot.worker_id, self.workers.lost(slot.worker_id, why))
+                self.workers.lost(slot.worker_id, f"no group finished for {self.worker_stall_s:g} s")
             else:
                 slot.stats = result
 

@@ -58,14 +58,14 @@ class WorkerPool:
         self.failovers_of_lost = 0
         #: faults to inject by worker id into its first incarnation (tests, chaos runs): {"exit_after_s": s}
         self.faults = dict(faults or {})
+        self._recreating: set[asyncio.Task] = set()
 
     def _spawn(self, worker_id: str) -> Any:
-        epoch, members = self._engines()
+        _, members = self._engines()
         actor: Any = ray.remote(RolloutWorker).options(
             num_cpus=self.cluster.rollout_workers.num_cpus, max_restarts=0, max_task_retries=0, max_concurrency=1000,
             scheduling_strategy="SPREAD",  # CPU work: over every node, next to no engine in particular
         ).remote(worker_id, self.cfg, members, engine_wait_s=self.cluster.health.engine_wait_s)
-        actor.set_engines.remote(epoch, members)
         return actor
 
     async def _bring_up(self, slot: WorkerSlot) -> None:
@@ -113,10 +113,10 @@ class WorkerPool:
             try:
                 result: list[Trajectory] = await call(getattr(slot.actor, method), *args)
                 return result
-            except ACTOR_GONE as err:
+            except ACTOR_GONE as err:  # played again at once on a live worker, while this one is recreated
                 self.lost_calls += 1
-                if slot.incarnation == incarnation and slot.alive:
-                    await self.lost(slot.worker_id, f"{type(err).__name__} during {method}")
+                if slot.incarnation == incarnation:
+                    self.lost(slot.worker_id, f"{type(err).__name__} during {method}")
             finally:
                 slot.inflight -= 1
 
@@ -127,15 +127,23 @@ class WorkerPool:
     async def run_eval(self, env_id: str, n_tasks: int, seed: int, env_kwargs: dict[str, Any]) -> list[Trajectory]:
         return await self._run("run_eval", env_id, n_tasks, seed, env_kwargs)
 
-    async def lost(self, worker_id: str, reason: str) -> None:
-        """A worker died or stalled: kill it, and recreate it within its budget. No live worker left and no
-        budget to make one stops the run (nothing could play its tasks)."""
+    def lost(self, worker_id: str, reason: str) -> None:
+        """A worker died or stalled: no task goes to it from now on; it is killed and recreated in the
+        background, within its budget. No live worker left and no budget to make one stops the run."""
         slot = self.slots[worker_id]
+        if not slot.alive:
+            return  # already being replaced (or retired)
         slot.alive = False
         slot.incarnation += 1
         self.failovers_of_lost += int(slot.stats.get("failovers", 0))
         slot.stats = {}
         ray.kill(slot.actor)
+        job = asyncio.create_task(self._recreate(slot, reason))
+        self._recreating.add(job)
+        job.add_done_callback(self._recreating.discard)
+
+    async def _recreate(self, slot: WorkerSlot, reason: str) -> None:
+        worker_id = slot.worker_id
         h = self.cluster.health
         now = time.monotonic()
         while slot.restarts and now - slot.restarts[0] > h.restart_window_s:
@@ -162,5 +170,8 @@ class WorkerPool:
             self._live.notify_all()  # a task waiting for a live worker learns there may be none
 
     async def shutdown(self) -> None:
+        for job in list(self._recreating):
+            job.cancel()
+        await asyncio.gather(*self._recreating, return_exceptions=True)
         for slot in self.slots.values():
             ray.kill(slot.actor)
