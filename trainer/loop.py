@@ -540,7 +540,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     rank, size = world()
     if cfg.cluster is not None:
         if size > 1:
-            raise ValueError("a cluster run starts its own trainer ranks as Ray actors: run it without torchrun")
+            raise StartupError("a cluster run starts its own trainer ranks as Ray actors: run it without torchrun")
         from relax_gym.trainer.cluster.run import ClusterTrainer
 
         return asyncio.run(ClusterTrainer(cfg).run())

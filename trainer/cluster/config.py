@@ -104,8 +104,9 @@ class ClusterSection(_Strict):
     trainer: TrainerRanksSection = Field(default_factory=TrainerRanksSection)
     #: how trained weights reach the engines: Ray's object store (engine actors load them in-process); disk
     #: (the trainer rank writes RUN_DIR/weights/vN, engines load it; needs a file system they share); or
-    #: distributed (the trainer rank broadcasts over a gloo / NCCL group that served engines join through SGLang's
-    #: /init_weights_update_group: `engines.kind: serve`, or SGLang servers)
+    #: distributed (the trainer rank broadcasts over a gloo / NCCL group that HTTP engines join through SGLang's
+    #: /init_weights_update_group: `engines.kind` serve or sglang). Servers registered by URL need disk or
+    #: distributed.
     weight_sync: Literal["object_store", "disk", "distributed"] = "object_store"
     #: how long forming the distributed group, or one broadcast, may take
     weight_sync_timeout_s: float = Field(120.0, gt=0)

@@ -201,7 +201,8 @@ class ActorFleet:
             slot.group = None
 
     async def probe(self, slot: EngineSlot) -> bool:
-        """One greedy token from an engine actor; an external server's /health (SGLang's generates a token)."""
+        """One greedy token from an engine actor; /health from a server seen only over HTTP (SGLang's generates a
+        token)."""
         if slot.kind in OUTSIDE_VIEW:
             assert slot.client is not None
             return await slot.client.health()
@@ -219,10 +220,10 @@ class ActorFleet:
                          on_state: Callable[[EngineState], None] | None = None) -> str:
         """A new engine actor, or the external server at `url`, synced to the published weights before it is
         routable; returns its id."""
-        if url is not None and self.cluster.weight_sync != "disk":
+        if url is not None and self.cluster.weight_sync == "object_store":
             raise EngineStartError(f"registering the external server {url} needs cluster.weight_sync=disk (a "
-                                   f"shared file system it loads weights from); this run uses "
-                                   f"{self.cluster.weight_sync}")
+                                   "shared file system it loads weights from) or distributed (it joins the "
+                                   "trainer's group); this run publishes through Ray's object store")
         engine_id = f"engine-{self._next_id}" if url is None else f"ext-{self._next_id}"
         self._next_id += 1
         if url is None:
@@ -239,6 +240,8 @@ class ActorFleet:
         except BaseException:
             self._end(slot, release_group=True)  # a scale-out that failed gives back what it reserved,
             slot.state = "REMOVED"  # and is not the health manager's to revive
+            if slot.kind == "http" and slot.client is not None:
+                await slot.client.close()
             raise
         self._event("engine_added", engine_id=engine_id, ready_s=round(time.monotonic() - started, 3),
                     version=slot.version)

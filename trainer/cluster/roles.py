@@ -97,11 +97,16 @@ class EngineService:
             await asyncio.sleep(0.01)
         return f"http://{host}:{port}"
 
+    def _requests_seen(self) -> int:
+        return self.progress.done + self.progress.inflight
+
+    def _hung(self) -> bool:
+        return "hang_after" in self.fault and self._requests_seen() > self.fault["hang_after"]
+
     async def _maybe_fail(self) -> None:
-        n = self.progress.done + self.progress.inflight
-        if "crash_after" in self.fault and n >= self.fault["crash_after"]:
+        if "crash_after" in self.fault and self._requests_seen() >= self.fault["crash_after"]:
             os._exit(1)
-        if "hang_after" in self.fault and n > self.fault["hang_after"]:
+        if self._hung():
             await asyncio.Event().wait()
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -112,8 +117,9 @@ class EngineService:
         finally:
             self.progress.end()
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        """Loads `weights` between batches (running ones finish first) and returns the version now loaded."""
+    async def update_weights(self, weights: dict[str, torch.Tensor] | str | Path, version: int) -> int:
+        """Loads `weights` (a state dict, or an HF folder: the disk strategy) between batches (running ones finish
+        first) and returns the version now loaded."""
         await self.engine.pause()
         try:
             await self.engine.update_weights(weights, version)
@@ -123,7 +129,7 @@ class EngineService:
 
     async def probe(self) -> bool:
         """One greedy token, as SGLang's /health_generate: an engine that cannot produce it is not healthy."""
-        if "hang_after" in self.fault and self.progress.done + self.progress.inflight > self.fault["hang_after"]:
+        if self._hung():
             await asyncio.Event().wait()
         request = GenerateRequest([self.engine.pad_token_id], SamplingParams(temperature=0, max_new_tokens=1))
         await self.engine.generate(request)
@@ -131,9 +137,6 @@ class EngineService:
 
     def stats(self) -> dict[str, Any]:
         return {**self.progress.stats(), "version": self.engine.weight_version}
-
-    async def close(self) -> None:
-        await self.engine.close()
 
 
 class ServerSupervisor:
@@ -180,10 +183,6 @@ class ServerSupervisor:
     def stats(self) -> dict[str, Any]:
         """No progress view from outside the server (the health manager probes it instead)."""
         return {"inflight": 0, "done": 0, "idle_s": 0.0, "version": -1}
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
 
 
 class _Counted:
@@ -255,10 +254,6 @@ class RolloutWorker:
     def stats(self) -> dict[str, Any]:
         return {**self.progress.stats(), "failovers": self.router.failovers}
 
-    async def close(self) -> None:
-        await self.manager.close()
-        await self.eval_manager.close()
-
 
 class TrainerRank:
     """One trainer rank: the training backend in its own process. Rank 0 is what the loop calls, like a local
@@ -319,9 +314,6 @@ class TrainerRank:
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank, "version": self.backend.version if self.backend else 0}
-
-    def get_version(self) -> int:
-        return self.backend.version
 
     def set_version(self, version: int) -> None:
         self.backend.version = version
