@@ -227,17 +227,31 @@ def test_served_engines_with_disk_weights_fail_over_and_take_in_an_external_serv
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # pruned
 
 
-def test_distributed_weight_sync_reaches_served_engines_and_regroups_after_a_kill(ray_cluster, reference, tmp_path):
+def test_distributed_weight_sync_reaches_served_engines_and_regroups_after_a_kill(ray_cluster, reference, tmp_path,
+                                                                                   monkeypatch):
     """The trainer rank broadcasts over gloo to engines that joined through SGLang's routes; a killed engine is
-    left out of the group, its successor catches up through a group of its own and rejoins at the next step."""
+    left out of the group, its successor catches up through a group of its own and rejoins at the next step; an
+    external `relax-gym serve` registered by URL joins the same way."""
+    from engine_support import KEY, serving
+
+    from relax_gym.models import load_model
+
+    monkeypatch.setenv("RELAX_GYM_API_KEY", KEY)
     run_dir = tmp_path / "run"
+    external: dict = {}
 
     async def chaos(run: ClusterTrainer) -> None:
         if run.step == 1:
             ray.kill(run.fleet.slots["engine-1"].actor)
             await restarted(run, "engine-1")
+        if run.step == 2:
+            engine_id = await run.fleet.add_engine(url=external["url"])
+            external["joined_at"] = run.fleet.slots[engine_id].version
 
-    train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=distributed"), on_step=chaos)
+    with serving(load_model(str(config(run_dir).model.path)), max_batch_size=1) as (url, engine):
+        external["url"] = url
+        train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=distributed"), on_step=chaos)
+        assert external["joined_at"] == 2 and engine.weight_version == STEPS  # it took the later broadcasts too
     assert losses(records(run_dir)) == losses(reference)
     assert_exactly_once(run_dir)
     assert not (run_dir / "weights").exists()  # nothing went through the disk

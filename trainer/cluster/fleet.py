@@ -77,7 +77,7 @@ class ActorFleet:
     def __init__(self, cfg: TrainConfig, *, on_change: Callable[[int, dict[str, Engine]], Awaitable[None]],
                  event: Callable[..., None], status: Callable[[], dict[str, Any]] | None = None,
                  faults: dict[str, dict[str, int]] | None = None, api_key: str = "",
-                 distribute: Callable[[list[str], bool], Awaitable[int]] | None = None):
+                 distribute: Callable[[list[Engine], bool], Awaitable[int]] | None = None):
         assert cfg.cluster is not None
         self.cfg = cfg
         self.cluster: ClusterSection = cfg.cluster
@@ -99,8 +99,8 @@ class ActorFleet:
         self.api_key = api_key
         #: the disk strategy's folders, oldest first (the newest is what a joining engine loads)
         self.folders: deque[Path] = deque()
-        #: the distributed strategy: broadcasts the trainer's weights to these URLs (alone: to a joining engine
-        #: through a group of its own), returning the version sent
+        #: the distributed strategy: broadcasts the trainer's weights to these servers (their HTTP clients, each
+        #: with its own key; alone: to a joining one through a group of its own), returning the version sent
         self.distribute = distribute
 
     # --- views ------------------------------------------------------------------------
@@ -168,8 +168,8 @@ class ActorFleet:
                 if self.published is None:
                     slot.version = self.published_version  # nothing published yet: the initial weights
                 elif self.distribute is not None:
-                    assert slot.url is not None
-                    slot.version = await self.distribute([slot.url], True)
+                    assert slot.client is not None
+                    slot.version = await self.distribute([slot.client], True)
                 else:
                     slot.version = await self._load(slot, self.published, self.published_version)
                 enter("ACTIVE")
@@ -338,7 +338,7 @@ class ActorFleet:
             if not members:
                 break
             try:
-                sent = await self.distribute([s.url or "" for s in members], False)
+                sent = await self.distribute([s.client for s in members if s.client is not None], False)
             except EngineError as err:  # a lost trainer (TrainerLost) is the controller's to handle, not ours
                 error = err
                 answers = await asyncio.gather(*(asyncio.wait_for(self.probe(s), self.cluster.health.probe_timeout_s)

@@ -22,6 +22,7 @@ import torch
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.router import EngineRouter
+from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.trainer.backends.base import LogprobOutput
@@ -335,29 +336,30 @@ class TrainerRank:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_state_dict()
 
-    def publish_distributed(self, urls: list[str], api_key: str, *, master_address: str, backend: str,
+    def publish_distributed(self, servers: list[SGLangEngine], *, master_address: str, backend: str,
                             timeout_s: float, alone: bool = False) -> int:
-        """Broadcasts the current weights to the servers at `urls` over a torch.distributed group driven by
-        SGLang's routes (`DistributedPublisher`); returns the version sent. The run's group is kept while its
-        members stay the same and formed again (under a new name) when they change or a publication failed;
-        `alone` sends to a joining server through a group of its own, so the run's group is left as it is."""
-        return self._in_loop(self._publish(urls, api_key, master_address, backend, timeout_s, alone))
+        """Broadcasts the current weights to `servers` (HTTP clients, each with its server's key) over a
+        torch.distributed group driven by SGLang's routes (`DistributedPublisher`); returns the version sent.
+        The run's group is kept while its members stay the same and formed again (under a new name) when they
+        change or a publication failed; `alone` sends to a joining server through a group of its own, so the run's
+        group is left as it is."""
+        return self._in_loop(self._publish(servers, master_address, backend, timeout_s, alone))
 
-    async def _publish(self, urls: list[str], api_key: str, master_address: str, backend: str, timeout_s: float,
+    async def _publish(self, servers: list[SGLangEngine], master_address: str, backend: str, timeout_s: float,
                        alone: bool) -> int:
-        from relax_gym.trainer.cluster.fleet import member_client
         from relax_gym.trainer.weight_publish import DistributedPublisher
 
         self._groups += 1
         name = f"relax-gym-weights-{os.getpid()}-{self._groups}"
+        urls = [s.base_url for s in servers]
         if alone or self._publisher is None or self._members != urls:
             if not alone and self._publisher is not None:
                 await self._close_publisher()
-            publisher = DistributedPublisher([member_client(u, api_key) for u in urls], backend=backend,
-                                             master_address=master_address, group_name=name, timeout_s=timeout_s)
+            publisher = DistributedPublisher(servers, backend=backend, master_address=master_address,
+                                             group_name=name, timeout_s=timeout_s)
             await publisher.connect()
             if not alone:
-                self._publisher, self._members = publisher, list(urls)
+                self._publisher, self._members = publisher, urls
         else:
             publisher = self._publisher
         try:
@@ -369,7 +371,7 @@ class TrainerRank:
         finally:
             if alone:
                 await publisher.close()
-        return self.backend.version
+        return int(self.backend.version)
 
     async def _close_publisher(self) -> None:
         publisher, self._publisher = self._publisher, None

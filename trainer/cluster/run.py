@@ -194,13 +194,13 @@ class ClusterTrainer(Trainer):
             weights = await asyncio.to_thread(self.remote.hf_state_dict_ref)
         await self.fleet.publish(weights, version)
 
-    async def _distribute(self, urls: list[str], alone: bool) -> int:
-        """The trainer rank broadcasts its weights to the engine servers at `urls` (`weight_sync: distributed`):
-        gloo on CPU, NCCL when the trainer has GPUs."""
+    async def _distribute(self, servers: list[Engine], alone: bool) -> int:
+        """The trainer rank broadcasts its weights to these engine servers (`weight_sync: distributed`): gloo on
+        CPU, NCCL when the trainer has GPUs."""
         backend = "nccl" if self.cluster.trainer.num_gpus else "gloo"
         master = ray.util.get_node_ip_address() if self.cluster.address else "127.0.0.1"
         try:
-            return int(await call(self._trainer_actor.publish_distributed, urls, self.fleet.api_key,
+            return int(await call(self._trainer_actor.publish_distributed, servers,
                                   master_address=master, backend=backend,
                                   timeout_s=self.cluster.weight_sync_timeout_s, alone=alone))
         except ACTOR_GONE as err:
