@@ -241,7 +241,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from relax_gym.trainer.config import load_config
     from relax_gym.trainer.loop import train
 
-    summary = train(load_config(args.config, args.overrides))
+    try:
+        summary = train(load_config(args.config, args.overrides))
+    except KeyboardInterrupt:  # before the first step (once training, the run itself finishes the step and exits)
+        console.print("[yellow]interrupted while starting: nothing was trained[/yellow]", highlight=False)
+        return 130
     if "rank" in summary:  # a follower rank under torchrun: rank 0 reports
         return 0
     if summary.get("eval_failures"):

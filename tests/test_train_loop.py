@@ -153,16 +153,27 @@ def test_a_killed_run_resumes_with_nothing_lost(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_ctrl_c_checkpoints_and_plots_before_exiting(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_checkpoints_and_plots_before_exiting(tmp_path, signum):
+    """Ctrl-C, or SIGTERM (a scheduler's stop), finishes the running step, checkpoints and plots."""
     proc = _start_training(tmp_path, steps=1000)
     _wait_for_checkpoint(tmp_path, proc, 2)
     time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     steps = [r["step"] for r in train_records(tmp_path / "run")]
     assert int((tmp_path / "run" / "checkpoints" / "latest").read_text()) == steps[-1]
     assert (tmp_path / "run" / "reward.png").is_file()
+
+
+def test_a_killed_run_that_never_checkpointed_starts_afresh_without_its_old_rows(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    stale = [{"type": "train", "step": s, "reward_mean": 0.0} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    summary = train(config(tmp_path, "trainer.total_steps=1"))
+    assert [r["step"] for r in train_records(run_dir)] == [1] and summary["steps"] == 1
 
 
 @pytest.mark.parametrize("filter_uniform", [False, True])

@@ -249,8 +249,10 @@ class Trainer:
             await self._run_async()
 
     def _watch_sigint(self) -> None:
-        """Ctrl-C cancels the run's task (as asyncio.run would) and also marks the run interrupted, so a
-        cancellation lost in a race (Python 3.11's wait_for can swallow one) still stops it at the next step."""
+        """Ctrl-C (or SIGTERM, a scheduler's or `ray job stop`'s way to say it) cancels the run's task (as
+        asyncio.run would) and also marks the run interrupted, so a cancellation lost in a race (Python 3.11's
+        wait_for can swallow one) still stops it at the next step; either way the running step finishes, is
+        checkpointed and plotted."""
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
 
@@ -262,10 +264,11 @@ class Trainer:
                 task.cancel()
 
         try:
-            loop.add_signal_handler(signal.SIGINT, interrupt)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, interrupt)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
             return
-        self._unwatch = lambda: loop.remove_signal_handler(signal.SIGINT)
+        self._unwatch = lambda: [loop.remove_signal_handler(s) for s in (signal.SIGINT, signal.SIGTERM)]
 
     def _going_on(self) -> bool:
         """Whether another step is due; raises KeyboardInterrupt once Ctrl-C was pressed."""
@@ -494,6 +497,10 @@ class Trainer:
         bus's counters, metrics; says so."""
         found = self.checkpoints.load_latest(self.backend)
         if found is None:
+            if logged := len(self.log.records()):  # a killed run that never checkpointed: it starts afresh
+                self.log.truncate_after(0)
+                self.log.note(f"{self.run_dir} holds {logged} logged steps but no checkpoint: starting afresh "
+                              "(those rows are dropped)")
             return
         step, extra = found
         self.step = self.resumed_from = step

@@ -83,7 +83,8 @@ class ClusterTrainer(Trainer):
 
     # --- roles ------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
-        self.log.event(self.step, kind, **fields)
+        """A role's failure or recovery, at the current step (before a resume: the step it resumes from)."""
+        self.log.event(self.step or self.checkpoints.latest_step(), kind, **fields)
 
     def _engines_view(self) -> tuple[int, dict[str, Engine]]:
         return self.fleet.epoch, self.fleet.active()
@@ -117,8 +118,9 @@ class ClusterTrainer(Trainer):
         self.monitor = HealthMonitor(self.fleet, self.workers, self.cluster.health,
                                      episode_timeout_s=self.cfg.rollout.episode_timeout_s, event=self.event)
         self._monitor_task = asyncio.create_task(self.monitor.run())
-        self.log.note(f"cluster: {len(self.fleet.slots)} engines, {len(self.workers.slots)} rollout workers and "
-                      f"{len(self._trainer_ranks)} trainer ranks started in {time.perf_counter() - t0:.1f} s")
+        self.log.note(f"cluster: {_count(len(self.fleet.slots), 'engine')}, "
+                      f"{_count(len(self.workers.slots), 'rollout worker')} and "
+                      f"{_count(len(self._trainer_ranks), 'trainer rank')} started in {time.perf_counter() - t0:.1f} s")
 
     async def _start_control(self) -> None:
         """The elastic-rollout control API, in this loop (where the fleet lives), behind a bearer token."""
@@ -163,9 +165,11 @@ class ClusterTrainer(Trainer):
         self._trainer_ranks = ranks
         self._trainer_actor = ranks[0]
         master = await call(ranks[0].address) if t.world_size > 1 else None
+        async def set_up() -> list[dict[str, Any]]:  # awaited here, so a cancelled start leaves no stray future
+            return list(await asyncio.gather(*(call(r.setup, i, t.world_size, master) for i, r in enumerate(ranks))))
+
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(call(r.setup, i, t.world_size, master)
-                                                            for i, r in enumerate(ranks))), START_TIMEOUT_S)
+            infos = await asyncio.wait_for(set_up(), START_TIMEOUT_S)
         except TimeoutError:
             raise StartupError(f"cluster: the {t.world_size} trainer ranks were not set up within "
                                f"{START_TIMEOUT_S:g} s (a rank waiting for the others? see Ray's logs)") from None
@@ -313,3 +317,7 @@ class ClusterTrainer(Trainer):
         release(self._trainer_group)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
