@@ -61,8 +61,8 @@ def refusal(response: httpx.Response) -> str:
     detail = body.get("detail") if isinstance(body, dict) else None
     if not isinstance(detail, str):
         detail = response.text.strip()[:300] or response.reason_phrase
-    extra = f" (running operation: {body['running_op_id']})" if isinstance(body, dict) and body.get(
-        "running_op_id") else ""
+    running = body.get("running_op_id") if isinstance(body, dict) else None
+    extra = f" (running operation: {running})" if running and running not in detail else ""
     return f"{response.status_code} {response.reason_phrase}: {' '.join(detail.split())}{extra}"
 
 

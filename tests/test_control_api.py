@@ -338,9 +338,9 @@ def test_scale_in_removes_the_newest_first():
 def test_scale_in_never_below_the_minimum_nor_unknown_ids():
     async def test(client, fleet, manager):
         low = await client.post("/v1/engines/scale_in", json={"num_engines": 1})
-        assert low.status_code == 400 and "minimum of 2" in low.json()["detail"]
+        assert low.status_code == 400 and "min_engines: 2" in low.json()["detail"]
         both = await client.post("/v1/engines/scale_in", json={"engine_ids": ["e0"]})
-        assert both.status_code == 400 and "minimum of 2" in both.json()["detail"]
+        assert both.status_code == 400 and "min_engines: 2" in both.json()["detail"]
         unknown = await client.post("/v1/engines/scale_in", json={"engine_ids": ["e9"]})
         assert unknown.status_code == 400 and "e9" in unknown.json()["detail"]
         assert fleet.drained == [] and manager.ops() == []
@@ -447,7 +447,7 @@ def test_over_real_http_with_the_cli(tmp_path, capsys, monkeypatch):
                                                 "1", "--dry-run")
             assert code == 0 and json.loads(out)["engine_ids"] == ["e2", "e1"]
             code, out = await asyncio.to_thread(cli, "scale-in", "--run-dir", str(tmp_path), "--engines", "0")
-            assert code == 1 and "400" in out and "minimum of 1" in out
+            assert code == 1 and "400" in out and "min_engines: 1" in out
             code, out = await asyncio.to_thread(cli, "ops", "--run-dir", str(tmp_path), record["op_id"])
             assert code == 0 and json.loads(out)["op_id"] == record["op_id"]
             code, out = await asyncio.to_thread(cli, "engines", "--run-dir", str(tmp_path))

@@ -299,8 +299,8 @@ class ScaleManager:
         engines = live(every)
         if num_engines is not None:
             if num_engines < minimum:
-                raise ScaleRejected(f"num_engines: {num_engines} is below this run's minimum of {minimum} engines "
-                                    "(min_engines)")
+                raise ScaleRejected(f"num_engines: {num_engines} is below this run's minimum (min_engines: "
+                                    f"{minimum})")
             if num_engines >= len(engines):
                 return self._noop(f"the run has {len(engines)} live engines, the target is {num_engines}", request)
             active = sorted((e for e in engines if e.state == "ACTIVE"), key=lambda e: e.added_at, reverse=True)
@@ -321,8 +321,8 @@ class ScaleManager:
             victims = [by_id[i] for i in ids]
             remaining = len(engines) - sum(v.state not in ("DEAD", "REMOVED") for v in victims)
             if remaining < minimum:
-                raise ScaleRejected(f"engine_ids: removing them would leave {remaining} engines, below this run's "
-                                    f"minimum of {minimum} (min_engines)")
+                raise ScaleRejected(f"engine_ids: removing them would leave {remaining} live, below this run's "
+                                    f"minimum (min_engines: {minimum})")
         if dry_run:
             return ScaleResult({"state": "DRY_RUN", "engine_ids": [v.engine_id for v in victims],
                                 "victims": [asdict(v) for v in victims],
