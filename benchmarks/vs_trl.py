@@ -1,0 +1,302 @@
+"""relax-gym against TRL's GRPOTrainer: seconds per step and wall time to the same reward, side by side.
+
+Both frameworks train the quickstart's setting from the same warm-start checkpoint
+(`examples/checkpoints/tiny-arithmetic`): `relax/Arithmetic-v0` with digits=1, n_terms=2, ops="+",
+16 prompts x 8 samples per step, temperature 0.5, lr 3e-4 (AdamW, constant, no weight decay, grad clip
+1.0), at most 4 new tokens, GRPO with group-std scaling, token-mean loss, clip 0.2, no KL, one update per
+batch. TRL's reward function is relax-gym's own grader: each prompt row carries the seed it was drawn
+with, and the reward is `env.reset(seed=seed)` then `env.step(completion).reward`.
+
+Per seed, the two runs go at the same time, each in its own process pinned to its own core
+(`os.sched_setaffinity`, one torch thread, OMP/MKL threads 1), so machine noise hits both. relax-gym
+runs in sync mode (max_staleness 0, no logprob recompute); TRL runs with HF `generate` (its default,
+no vLLM on a CPU). Reported per framework and seed: mean s/step after the first few steps, wall
+time from the first step's start to a rolling (10-step window) train reward of 0.3 and 0.4, the ratio
+relax-gym / TRL, and relax-gym's phase split from its metrics rows.
+
+TRL lives in its own venv, never in the project's (it could move pinned packages); see
+benchmarks/requirements-trl.txt:
+
+    python3.11 -m venv /tmp/venv-trl
+    /tmp/venv-trl/bin/pip install torch==2.13.0
+    /tmp/venv-trl/bin/pip install -r benchmarks/requirements-trl.txt
+    /tmp/venv-trl/bin/pip install -e .
+
+Rerun:
+
+    .venv/bin/python benchmarks/vs_trl.py --quick                     # 8 steps, 1 seed: does it work
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 --steps 200     # the measurement
+    .venv/bin/python benchmarks/vs_trl.py --trl-python /path/to/venv/bin/python ...
+
+Per-step rows go to benchmarks/runs/vs_trl/<framework>_seed<N>.jsonl, the summary to summary.json there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).resolve().parent / "runs" / "vs_trl"
+CHECKPOINT = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
+ENV_ID = "relax/Arithmetic-v0"
+ENV_KWARGS: dict[str, Any] = {"digits": 1, "n_terms": 2, "ops": "+"}
+GROUP_SIZE = 8
+GROUPS_PER_STEP = 16
+TEMPERATURE = 0.5
+LR = 3e-4
+MAX_NEW_TOKENS = 4
+WINDOW = 10
+THRESHOLDS = (0.3, 0.4)
+SKIP_STEPS = 3  # steps left out of the s/step mean (warm-up)
+PHASES = ("wait_rollout_s", "logprobs_s", "train_s", "weight_sync_s")
+
+
+def pin(core: int) -> None:
+    """Pins this process (and the threads and children it starts later) to one core, one torch thread."""
+    os.sched_setaffinity(0, {core})
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set once some parallel work ran
+        torch.set_num_interop_threads(1)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# --- relax-gym side -------------------------------------------------------------------------------
+
+
+def run_relax(seed: int, steps: int, out: Path) -> None:
+    """relax-gym's in-process trainer in sync mode; rows are its metrics rows plus a wall clock."""
+    import asyncio
+
+    from relax_gym.trainer.config import load_config
+    from relax_gym.trainer.loop import Trainer
+
+    run_dir = out.parent / f"relax_seed{seed}_run"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    kwargs = ", ".join(f"{k}: {v!r}" for k, v in ENV_KWARGS.items())
+    cfg = load_config(ROOT / "examples" / "configs" / "quickstart.yaml", [
+        f"run_dir={run_dir}", f"model={CHECKPOINT}", f"seed={seed}",
+        f"envs=[{{id: {ENV_ID}, kwargs: {{{kwargs}}}}}]",
+        f"rollout.group_size={GROUP_SIZE}", f"rollout.groups_per_step={GROUPS_PER_STEP}",
+        f"rollout.temperature={TEMPERATURE}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.max_turns=1",
+        f"trainer.lr={LR}", "trainer.mode=sync", "trainer.max_staleness=0", f"trainer.total_steps={steps}",
+        f"trainer.eval_every={10 * steps}", "trainer.checkpoint_every=1000000",
+        "algorithm.recompute_old_logprobs=false",
+    ])
+    trainer = Trainer(cfg)
+    asyncio.run(trainer.run())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in metrics if r.get("type") == "train"]
+    rows, elapsed = [], 0.0
+    for r in train:  # sync mode: steps do not overlap, so the step times add up to the training wall time
+        elapsed += r["step_time_s"]
+        rows.append({"step": r["step"], "reward": r["reward_mean"], "step_s": r["step_time_s"], "t": elapsed,
+                     **{k: r.get(k) for k in PHASES}})
+    write_rows(out, rows)
+
+
+# --- TRL side -------------------------------------------------------------------------------------
+
+
+def run_trl(seed: int, steps: int, out: Path, gradient_checkpointing: bool = False) -> None:
+    """TRL's GRPOTrainer on the same prompts, grader and hyperparameters; rows are timed by a callback."""
+    import numpy as np
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import relax_gym
+
+    env = relax_gym.make(ENV_ID, **ENV_KWARGS)
+    n_prompts = steps * GROUPS_PER_STEP + GROUPS_PER_STEP
+    task_seeds = np.random.default_rng(seed).integers(0, 2**31 - 1, size=n_prompts).tolist()
+    prompts = [env.reset(seed=s)[0] for s in task_seeds]
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": m["role"], "content": text_of(m)} for m in p] for p in prompts],
+        "task_seed": task_seeds,
+    })
+    rewards_per_call: list[float] = []
+
+    def reward(completions: list[Any], task_seed: list[int], **_: Any) -> list[float]:
+        scores = []
+        for completion, s in zip(completions, task_seed, strict=True):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            env.reset(seed=int(s))
+            scores.append(float(env.step(text)[1]))  # (obs, reward, terminated, truncated, info)
+        rewards_per_call.append(fmean(scores))
+        return scores
+
+    rows: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):
+        start = last = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not self.start:
+                self.start = self.last = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = time.perf_counter()
+            rows.append({"step": state.global_step, "reward": rewards_per_call[-1], "step_s": now - self.last,
+                         "t": now - self.start})
+            self.last = now
+
+    config = GRPOConfig(
+        output_dir=str(out.parent / f"trl_seed{seed}_run"), seed=seed, use_cpu=True, bf16=False, fp16=False,
+        max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
+        per_device_train_batch_size=GROUP_SIZE * GROUPS_PER_STEP, gradient_accumulation_steps=1,
+        num_generations=GROUP_SIZE, steps_per_generation=1, num_iterations=1, max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
+        disable_tqdm=True, shuffle_dataset=True,
+        # TRL turns it on by default; relax-gym does not checkpoint, and on a 0.2M-parameter model it only costs time
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    write_rows(out, rows)
+
+
+def text_of(msg: Any) -> str:
+    """A relax-gym message's text (its content is a string or a list of text parts)."""
+    content = msg["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if isinstance(p, dict) else str(p) for p in content)
+
+
+# --- the comparison -------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    steady = rows[SKIP_STEPS:] or rows
+    rolling = [fmean(r["reward"] for r in rows[max(0, i + 1 - WINDOW): i + 1]) for i in range(len(rows))]
+    out: dict[str, Any] = {
+        "steps": len(rows),
+        "s_per_step": fmean(r["step_s"] for r in steady),
+        "wall_s": rows[-1]["t"] if rows else float("nan"),
+        "final_rolling_reward": rolling[-1] if rolling else float("nan"),
+    }
+    for th in THRESHOLDS:
+        hit = next((i for i, v in enumerate(rolling) if i + 1 >= WINDOW and v >= th), None)
+        out[f"t_to_{th}"] = rows[hit]["t"] if hit is not None else None
+        out[f"step_to_{th}"] = rows[hit]["step"] if hit is not None else None
+    if rows and "wait_rollout_s" in rows[0]:
+        out["phases"] = {k: fmean(r[k] or 0.0 for r in steady) for k in PHASES}
+    return out
+
+
+def launch(
+    python: str, framework: str, seed: int, steps: int, core: int, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, Path]:
+    path = OUT / f"{framework}_seed{seed}.jsonl"
+    path.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONHASHSEED": str(seed)}
+    log = open(OUT / f"{framework}_seed{seed}.log", "w")  # noqa: SIM115 (closed with the process)
+    cmd = [python, str(Path(__file__).resolve()), "--worker", framework, "--seed", str(seed), "--steps", str(steps),
+           "--core", str(core), "--out", str(path), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), path
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="8 steps, seed 0: checks that both sides run")
+    parser.add_argument("--trl-python", default="/tmp/venv-trl/bin/python")
+    parser.add_argument("--relax-python", default=sys.executable)
+    parser.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="relax-gym's core, then TRL's")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="keep TRL's default gradient checkpointing (off here: relax-gym does not checkpoint)")
+    parser.add_argument("--worker", choices=["relax", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        pin(args.core)
+        if args.worker == "relax":
+            run_relax(args.seed, args.steps, args.out)
+        else:
+            run_trl(args.seed, args.steps, args.out, args.trl_gradient_checkpointing)
+        return
+
+    seeds, steps = ([0], 8) if args.quick else (args.seeds, args.steps)
+    OUT.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"steps": steps, "seeds": seeds, "argv": sys.argv[1:], "runs": {}}
+    for seed in seeds:
+        start = time.perf_counter()
+        procs = {
+            "relax": launch(args.relax_python, "relax", seed, steps, args.cores[0]),
+            "trl": launch(args.trl_python, "trl", seed, steps, args.cores[1],
+                          ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()),
+        }
+        ended: dict[str, float] = {}
+        while len(ended) < len(procs):  # polled, so each side's process wall time (start-up included) is its own
+            for name, (proc, _) in procs.items():
+                if name not in ended and proc.poll() is not None:
+                    ended[name] = time.perf_counter() - start
+                    if proc.returncode != 0:
+                        sys.exit(f"{name} seed {seed} failed (exit {proc.returncode}); "
+                                 f"see {OUT / f'{name}_seed{seed}.log'}")
+            time.sleep(0.05)
+        print(f"seed {seed}: " + ", ".join(f"{k} process {v:.1f} s" for k, v in ended.items()), flush=True)
+        for name, (_, path) in procs.items():
+            rows = [json.loads(x) for x in path.read_text().splitlines()]
+            summary["runs"][f"{name}_seed{seed}"] = {**summarize(rows), "process_wall_s": ended[name]}
+    (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    print(f"\n{steps} steps, {GROUPS_PER_STEP} prompts x {GROUP_SIZE} samples; rolling window {WINDOW}; "
+          f"s/step over steps {SKIP_STEPS + 1}..{steps}; times from the first step's start")
+    print("| seed | framework | s/step | t to 0.3 (step) | t to 0.4 (step) | final rolling reward | process s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for seed in seeds:
+        for name in ("relax", "trl"):
+            s = summary["runs"][f"{name}_seed{seed}"]
+            print(f"| {seed} | {'relax-gym' if name == 'relax' else 'TRL'} | {s['s_per_step']:.3f} | "
+                  f"{fmt(s['t_to_0.3'])} s ({fmt(s['step_to_0.3'], 'd')}) | "
+                  f"{fmt(s['t_to_0.4'])} s ({fmt(s['step_to_0.4'], 'd')}) | {s['final_rolling_reward']:.3f} | "
+                  f"{s['process_wall_s']:.1f} |")
+    print("\n| seed | s/step relax-gym / TRL | t to 0.3 relax-gym / TRL | t to 0.4 relax-gym / TRL |")
+    print("|---|---:|---:|---:|")
+    for seed in seeds:
+        r, t = summary["runs"][f"relax_seed{seed}"], summary["runs"][f"trl_seed{seed}"]
+        ratios = [r["s_per_step"] / t["s_per_step"]]
+        for th in THRESHOLDS:
+            a, b = r[f"t_to_{th}"], t[f"t_to_{th}"]
+            ratios.append(a / b if a is not None and b is not None else None)
+        print(f"| {seed} | " + " | ".join(fmt(x, ".2f") for x in ratios) + " |")
+    print("\nrelax-gym phase split (mean s per step, steady steps):")
+    for seed in seeds:
+        p = summary["runs"][f"relax_seed{seed}"]["phases"]
+        print(f"  seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()))
+
+
+if __name__ == "__main__":
+    main()
