@@ -80,7 +80,7 @@ async def restarted(run: ClusterTrainer, engine_id: str, timeout_s: float = 60) 
     """Waits (holding up the loop, as a slow step would) until the engine is back and serving."""
     async def back() -> None:
         slot = run.fleet.slots[engine_id]
-        while not (slot.restarts and slot.state == "ACTIVE"):
+        while not (slot.restarts.total and slot.state == "ACTIVE"):
             await asyncio.sleep(0.1)
 
     await asyncio.wait_for(back(), timeout_s)

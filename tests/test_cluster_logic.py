@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.health import engines_to_replace, is_stalled
 from relax_gym.trainer.config import ConfigError, load_config
 
@@ -38,6 +39,12 @@ def test_a_stall_is_work_in_flight_without_progress():
     assert is_stalled({"inflight": 2, "idle_s": 10.0}, stall_s=5)
     assert not is_stalled({"inflight": 0, "idle_s": 1e9}, stall_s=5)  # idle is not stuck
     assert not is_stalled({"inflight": 2, "idle_s": 1.0}, stall_s=5)
+
+
+def test_a_restart_budget_allows_its_limit_per_window_and_counts_the_run_total():
+    budget = RestartBudget(limit=2, window_s=3600)
+    assert [budget.spend() for _ in range(3)] == [True, True, False]
+    assert budget.total == budget.in_window == 2
 
 
 def test_the_cluster_section_is_absent_unless_asked_for():

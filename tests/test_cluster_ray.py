@@ -90,7 +90,7 @@ def test_a_rollout_worker_killed_with_groups_in_flight_loses_none(ray_cluster, r
         if run.step == STEPS - 1:  # it is recreated in the background while the other worker plays on
 
             async def back() -> None:
-                while not (slot.alive and slot.restarts):
+                while not (slot.alive and slot.restarts.total):
                     await asyncio.sleep(0.1)
 
             await asyncio.wait_for(back(), 60)

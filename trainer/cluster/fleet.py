@@ -24,6 +24,7 @@ import torch
 from relax_gym.engines.base import Engine, EngineError
 from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 from relax_gym.engines.sglang import SGLangEngine
+from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
@@ -61,8 +62,8 @@ class EngineSlot:
     version: int = -1
     #: dead with its restart budget spent: never recreated
     retired: bool = False
-    #: restart times in the current window (recreations of this slot)
-    restarts: deque[float] = field(default_factory=deque)
+    #: recreations of this slot: the budget's window and the run total (set by the fleet from the config)
+    restarts: RestartBudget = field(default_factory=lambda: RestartBudget(0, 0.0))
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -227,8 +228,10 @@ class ActorFleet:
         engine_id = f"engine-{self._next_id}" if url is None else f"ext-{self._next_id}"
         self._next_id += 1
         if url is None:
+            h = self.cluster.health
             slot = EngineSlot(engine_id, self.cluster.engines.kind, None, None, "STARTING",
-                              initial=not self.slots and not self.published)
+                              initial=not self.slots and not self.published,
+                              restarts=RestartBudget(h.engine_restarts, h.restart_window_s))
         else:
             # its own key: $RELAX_GYM_API_KEY (read here, where the operator set it), never the served engines'
             slot = EngineSlot(engine_id, "http", None, member_client(url, None), "STARTING", initial=False,
@@ -256,9 +259,10 @@ class ActorFleet:
         if errors:
             raise errors[0]
 
-    async def replace(self, engine_id: str, reason: str, *, budget: int, window_s: float) -> bool:
+    async def replace(self, engine_id: str, reason: str) -> bool:
         """Kills a dead or stuck engine and brings up a fresh one in its slot (same id), if the slot's restart
-        budget for the window allows; False when it does not (the slot stays DEAD)."""
+        budget (`cluster.health.engine_restarts` per `restart_window_s`) allows; False when it does not (the slot
+        stays DEAD)."""
         slot = self.slots[engine_id]
         was_active = slot.state == "ACTIVE"
         slot.state = "DEAD"
@@ -269,16 +273,12 @@ class ActorFleet:
             self._event("engine_dead", engine_id=engine_id, reason=reason, url=slot.url, note="external server")
             return False
         ray.kill(slot.actor)
-        now = time.monotonic()
-        while slot.restarts and now - slot.restarts[0] > window_s:
-            slot.restarts.popleft()
-        if len(slot.restarts) >= budget:
+        if not slot.restarts.spend():
             slot.retired = True
-            self._event("engine_dead", engine_id=engine_id, reason=reason, restarts=len(slot.restarts),
+            self._event("engine_dead", engine_id=engine_id, reason=reason, restarts=slot.restarts.total,
                         note="restart budget spent")
             return False
-        slot.restarts.append(now)
-        delay = min(2.0 ** (len(slot.restarts) - 1) - 1, 30.0)  # 0, 1, 3, 7 ... s
+        delay = min(2.0 ** (slot.restarts.in_window - 1) - 1, 30.0)  # 0, 1, 3, 7 ... s
         await asyncio.sleep(delay)
         started = time.monotonic()
         try:

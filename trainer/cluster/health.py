@@ -112,8 +112,7 @@ class HealthMonitor:
         if engine_id in self._repairs or self.fleet.slots[engine_id].state in ("REMOVED", "DRAINING"):
             return
         self._event("engine_lost", engine_id=engine_id, reason=reason)
-        self._background(engine_id, self.fleet.replace(engine_id, reason, budget=self.h.engine_restarts,
-                                                       window_s=self.h.restart_window_s))
+        self._background(engine_id, self.fleet.replace(engine_id, reason))
 
     def _background(self, role_id: str, repair: Coroutine[Any, Any, Any]) -> None:
         """Runs a repair without holding up the polling (one per role at a time)."""

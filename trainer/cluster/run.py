@@ -242,8 +242,8 @@ class ClusterTrainer(Trainer):
                 "cluster/engine_failovers": sum(routers) + self.workers.failovers_of_lost,
                 "cluster/lost_worker_calls": self.workers.lost_calls,
                 "cluster/probe_failures": self.monitor.probe_failures,
-                "cluster/engine_restarts": sum(len(s.restarts) for s in self.fleet.slots.values()),
-                "cluster/worker_restarts": sum(len(s.restarts) for s in self.workers.slots.values()),
+                "cluster/engine_restarts": sum(s.restarts.total for s in self.fleet.slots.values()),
+                "cluster/worker_restarts": sum(s.restarts.total for s in self.workers.slots.values()),
                 "cluster/trainer_restarts": self.trainer_restarts}
 
     def _check_engine(self, group: Group) -> None:

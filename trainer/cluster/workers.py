@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ import ray
 
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped
+from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, call
 from relax_gym.trainer.cluster.roles import RolloutWorker
 from relax_gym.trainer.config import TrainConfig
@@ -32,12 +32,13 @@ START_TIMEOUT_S = 300.0
 class WorkerSlot:
     worker_id: str
     actor: Any
+    #: recreations of this worker: the budget's window and the run total
+    restarts: RestartBudget
     inflight: int = 0
     alive: bool = False
     #: dead with its restart budget spent: never recreated
     retired: bool = False
     incarnation: int = 0
-    restarts: deque[float] = field(default_factory=deque)
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,7 +86,8 @@ class WorkerPool:
     async def start(self, count: int) -> None:
         for i in range(count):
             wid = f"rollout-{i}"
-            self.slots[wid] = WorkerSlot(wid, self._spawn(wid))
+            h = self.cluster.health
+            self.slots[wid] = WorkerSlot(wid, self._spawn(wid), RestartBudget(h.worker_restarts, h.restart_window_s))
         await asyncio.gather(*(self._bring_up(s) for s in self.slots.values()))
 
     async def set_engines(self, epoch: int, members: dict[str, Engine]) -> None:
@@ -144,15 +146,10 @@ class WorkerPool:
 
     async def _recreate(self, slot: WorkerSlot, reason: str) -> None:
         worker_id = slot.worker_id
-        h = self.cluster.health
-        now = time.monotonic()
-        while slot.restarts and now - slot.restarts[0] > h.restart_window_s:
-            slot.restarts.popleft()
-        if len(slot.restarts) >= h.worker_restarts:
+        if not slot.restarts.spend():
             self._event("worker_dead", worker_id=worker_id, reason=reason, note="restart budget spent")
             await self._retire(slot)
             return
-        slot.restarts.append(now)
         started = time.monotonic()
         slot.actor = self._spawn(worker_id)
         try:
