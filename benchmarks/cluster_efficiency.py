@@ -23,8 +23,8 @@ What the metrics rows' timings are (`Trainer._train_on`, `RunLog.step`), per ste
   no KL, no teacher; a few microseconds).
 - `train_s`: the optimizer step (`backend.train_step`; a call to the trainer rank's actor in a cluster run).
 - `weight_sync_s`: the trained weights to the engine(s) (`_push_weights`): in one process, pause the engine
-  between batches, copy the state dict, load it, resume; in a cluster run, fetch the state dict from the trainer
-  rank into the controller (`ray.get`), `ray.put` it, and have every engine actor load it (pause, load, resume).
+  between batches, copy the state dict, load it, resume; in a cluster run, the trainer rank's answer to
+  `hf_state_dict` stays in the object store and every engine actor loads it from there (pause, load, resume).
 - `step_time_s`: time between this step's metrics line and the previous one (the first step's counts from the
   run log's creation, so it holds the start-up: it is left out of every mean below).
 
@@ -43,11 +43,11 @@ The figures, means over steps 2..STEPS:
   run builds its roles later); `_connect` (in a cluster run: the trainer rank, the engine synced to the initial
   weights and the rollout worker started, as the run's "cluster: ... started in X s" line says; in one process
   a no-op); and step 1 alone (from the end of `_connect` to its metrics line).
-- weight publication: `weight_sync_s` per step of each transport, split into getting the state dict
-  (`backend.hf_state_dict`: a copy in one process, a copy in the trainer rank plus its transfer to the controller
-  in a cluster run) and loading it into the engine(s) (in one process the engine's `pause` + `update_weights`;
-  in a cluster run `fleet.publish`: `ray.put` plus the engine actor's load; the `ray.put` is timed apart by
-  wrapping the fleet module's `ray` in this process).
+- weight publication: `weight_sync_s` per step of each transport, split into getting the weights
+  (`backend.hf_state_dict`: a copy in one process; in a cluster run `hf_state_dict_ref`: the trainer rank's copy,
+  left in the object store) and loading them into the engine(s) (in one process the engine's `pause` +
+  `update_weights`; in a cluster run `fleet.publish`: the engine actors' loads, plus a `ray.put` only when the
+  fleet is handed a state dict, timed apart by wrapping the fleet module's `ray` in this process).
 - diagnostics: the mean per-episode `generate_s` from trajectories.jsonl (the episode's time waiting on its engine:
   transport, queueing and generation); per group, the latency of its `run_group` call as the loop sees it (the
   rollout manager's in one process, the worker pool's in a cluster run, timed by wrapping it) beside its slowest
@@ -124,7 +124,7 @@ class Clock:
         self.connect_s = float("nan")
         self.connected_at = float("nan")
         self.first_step_at = float("nan")
-        self.get_weights_s: list[float] = []  # backend.hf_state_dict, per publication after start-up
+        self.get_weights_s: list[float] = []  # the weights from the trainer (a state dict, or its ObjectRef)
         self.load_weights_s: list[float] = []  # into the engine(s), per publication after start-up
         self.put_s: list[float] = []  # of which the controller's ray.put (cluster runs)
         self.rtt_s: dict[str, list[float]] = {}  # a trivial call to each role's actor, after the run (cluster runs)
@@ -142,17 +142,23 @@ class Clock:
         return wrapper
 
 
+async def _timed_start(connect: Callable[[], Awaitable[None]]) -> Clock:
+    """A fresh clock, with how long `connect` (the run's start-up) took."""
+    clock = Clock()
+    t0 = time.perf_counter()
+    await connect()
+    clock.connected_at = time.perf_counter()
+    clock.connect_s = clock.connected_at - t0
+    return clock
+
+
 class TimedTrainer(Trainer):
     """The in-process run, with its start-up and weight push timed from outside."""
 
     clock: Clock
 
     async def _connect(self) -> None:
-        self.clock = Clock()
-        t0 = time.perf_counter()
-        await super()._connect()
-        self.clock.connected_at = time.perf_counter()
-        self.clock.connect_s = self.clock.connected_at - t0
+        self.clock = await _timed_start(super()._connect)
         state = self.backend.hf_state_dict()
         self.clock.state_dict_mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
         backend: Any = self.backend
@@ -182,14 +188,10 @@ class TimedCluster(ClusterTrainer):
     clock: Clock
 
     async def _connect(self) -> None:
-        self.clock = Clock()
-        t0 = time.perf_counter()
-        await super()._connect()
-        self.clock.connected_at = time.perf_counter()
-        self.clock.connect_s = self.clock.connected_at - t0
-        backend: Any = self.backend
+        self.clock = await _timed_start(super()._connect)
+        remote: Any = self.remote  # publication asks the trainer rank for an ObjectRef of its weights
         fleet: Any = self.fleet
-        backend.hf_state_dict = _timed(backend.hf_state_dict, self.clock.get_weights_s)
+        remote.hf_state_dict_ref = _timed(remote.hf_state_dict_ref, self.clock.get_weights_s)
         fleet.publish = _timed_async(fleet.publish, self.clock.load_weights_s)
         workers: Any = self.workers
         workers.run_group = self.clock.group_timer(workers.run_group)
@@ -202,7 +204,7 @@ class TimedCluster(ClusterTrainer):
         if hasattr(self, "workers") and hasattr(self, "fleet"):  # the roles idle now: a plain call's round trip
             roles = {"worker": next(iter(self.workers.slots.values())).actor.stats,
                      "engine": next(iter(self.fleet.slots.values())).actor.stats,
-                     "trainer": self._trainer_actor.get_version}
+                     "trainer": self._trainer_actor.ready}
             for role, method in roles.items():
                 for _ in range(RTT_CALLS):
                     t0 = time.perf_counter()

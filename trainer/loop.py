@@ -137,9 +137,16 @@ class Trainer:
         self.teacher = self._frozen(cfg.algorithm.teacher) if cfg.algorithm.teacher else None
         (self.run_dir / "config.yaml").write_text(_yaml(cfg))
         self.log = RunLog(self.run_dir, total_steps=cfg.trainer.total_steps)
-        self.step = 0
         self._sigint = False
         self._unwatch: Callable[[], object] = lambda: None
+        self._start_fresh()
+        self.resumed_from: int | None = None
+        self.eval_failures = 0
+        self._eval_tasks: set[asyncio.Task] = set()
+
+    def _start_fresh(self) -> None:
+        """The run's position before its first step (`_resume` then moves it to a checkpoint's)."""
+        self.step = 0
         self.next_task = 0
         #: the task ledger: tasks started and not yet trained or discarded, in start order (saved with each
         #: checkpoint), and those a resumed run must start again before any new one
@@ -149,9 +156,6 @@ class Trainer:
         self._bus_state: dict[str, Any] | None = None
         self.filtered = 0  # sync mode's run total (async keeps it on the bus)
         self.steps_without_samples = 0
-        self.resumed_from: int | None = None
-        self.eval_failures = 0
-        self._eval_tasks: set[asyncio.Task] = set()
 
     def _build_roles(self) -> None:
         """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
@@ -301,8 +305,12 @@ class Trainer:
         """An engine that stayed away past its outage timeout ends the run (its tasks stay in the ledger)."""
         for t in group:
             if t.status == "aborted" and t.status_reason.startswith(ENGINE_UNAVAILABLE):
-                raise RunStopped(f"the engine stayed unreachable, so the run stopped at step {self.step} "
-                                 f"(checkpointed): {t.status_reason}. Restart the server and rerun to resume.")
+                raise RunStopped(self._engine_gone(t.status_reason))
+
+    def _engine_gone(self, reason: str) -> str:
+        """What a run whose engine stayed away says when it stops."""
+        return (f"the engine stayed unreachable, so the run stopped at step {self.step} (checkpointed): {reason}. "
+                "Restart the server and rerun to resume.")
 
     async def _run_sync(self) -> None:
         """The colocated schedule: generate one step's groups, train on them, push weights, repeat."""

@@ -143,7 +143,7 @@ class EngineService:
 class ServerSupervisor:
     """An engine that is a server process of its own (SGLang's `launch_server`, or `cluster.engines.launch`),
     started and owned by this actor: the server gets the actor's GPUs and dies with it. Workers reach it over
-    HTTP; the health manager sees no progress from here, so it probes the server itself."""
+    HTTP; the health manager sees no progress from here (no `stats`), so it probes the server itself."""
 
     def __init__(self, engine_id: str, cfg: TrainConfig):
         assert cfg.cluster is not None
@@ -181,9 +181,6 @@ class ServerSupervisor:
         self.server = await started
         return str(self.server.url)
 
-    def stats(self) -> dict[str, Any]:
-        """No progress view from outside the server (the health manager probes it instead)."""
-        return {"inflight": 0, "done": 0, "idle_s": 0.0, "version": -1}
 
 
 class _Counted:
@@ -210,7 +207,7 @@ class RolloutWorker:
     """A rollout manager and its env pools over an engine router: plays whole groups and returns them by value
     (so a group outlives the worker that played it). The controller tells it which engines it may use."""
 
-    def __init__(self, worker_id: str, cfg: TrainConfig, engines: dict[str, Engine], *, engine_wait_s: float):
+    def __init__(self, worker_id: str, cfg: TrainConfig, *, engine_wait_s: float):
         from relax_gym.trainer.loop import load_policy
 
         self.worker_id = worker_id
@@ -218,7 +215,7 @@ class RolloutWorker:
             resolve_env_id(env.id)
         loaded = load_policy(cfg)
         r = cfg.rollout
-        self.router = EngineRouter(engines, wait_s=engine_wait_s)
+        self.router = EngineRouter(wait_s=engine_wait_s)  # its engines come with `set_engines`
         self.epoch = -1
         self.manager = RolloutManager(self.router, loaded, sampling=r.sampling_params(), limits=r.limits(),
                                       max_concurrency=r.concurrency, sampling_seed=cfg.seed)

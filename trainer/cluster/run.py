@@ -18,7 +18,6 @@ import asyncio
 import os
 import secrets
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ import ray
 
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped, StartupError
-from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
@@ -246,14 +244,11 @@ class ClusterTrainer(Trainer):
                 "cluster/worker_restarts": sum(s.restarts.total for s in self.workers.slots.values()),
                 "cluster/trainer_restarts": self.trainer_restarts}
 
-    def _check_engine(self, group: Group) -> None:
-        """An episode that found no live engine for `engine_wait_s` ends the run (its tasks stay in the ledger)."""
-        for t in group:
-            if t.status == "aborted" and t.status_reason.startswith(ENGINE_UNAVAILABLE):
-                h = self.cluster.health
-                raise RunStopped(f"no engine was live for cluster.health.engine_wait_s={h.engine_wait_s:g} s, so "
-                                 f"the run stopped at step {self.step} (checkpointed): {t.status_reason}. The engines' "
-                                 f"failures are in {self.run_dir / 'events.jsonl'}; rerun to resume.")
+    def _engine_gone(self, reason: str) -> str:
+        """An episode found no live engine for `engine_wait_s`."""
+        return (f"no engine was live for cluster.health.engine_wait_s={self.cluster.health.engine_wait_s:g} s, so "
+                f"the run stopped at step {self.step} (checkpointed): {reason}. The engines' failures are in "
+                f"{self.run_dir / 'events.jsonl'}; rerun to resume.")
 
     async def _after_step(self) -> None:
         if self.on_step is not None:
@@ -280,18 +275,9 @@ class ClusterTrainer(Trainer):
         self.trainer_restarts += 1
         started = time.perf_counter()
         self._kill_trainer()
-        # everything after the last checkpoint is forgotten, as a resumed run forgets it
-        self.step = 0
-        self.next_task = 0
-        self.unfinished = {}
-        self.reissue = deque()
-        self.bus = None
-        self._bus_state = None
-        self.filtered = 0
-        self.steps_without_samples = 0
+        self._start_fresh()  # everything after the last checkpoint is forgotten, as a resumed run forgets it
         await self._start_trainer()
-        if not self.checkpoints.latest_step():  # no checkpoint: start over from the initial weights
-            self.log.truncate_after(0)
+        if not self.checkpoints.latest_step():  # no checkpoint: the engines go back to the initial weights
             await self._publish()
         resume_step = self.checkpoints.latest_step()
         self.log.event(resume_step, "trainer_restarted", reason=reason, lost_at_step=lost_at,

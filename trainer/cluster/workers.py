@@ -62,11 +62,11 @@ class WorkerPool:
         self._recreating: set[asyncio.Task] = set()
 
     def _spawn(self, worker_id: str) -> Any:
-        _, members = self._engines()
+        """A worker actor; `_bring_up` gives it the engines once it is ready."""
         actor: Any = ray.remote(RolloutWorker).options(
             num_cpus=self.cluster.rollout_workers.num_cpus, max_restarts=0, max_task_retries=0, max_concurrency=1000,
             scheduling_strategy="SPREAD",  # CPU work: over every node, next to no engine in particular
-        ).remote(worker_id, self.cfg, members, engine_wait_s=self.cluster.health.engine_wait_s)
+        ).remote(worker_id, self.cfg, engine_wait_s=self.cluster.health.engine_wait_s)
         return actor
 
     async def _bring_up(self, slot: WorkerSlot) -> None:
@@ -74,8 +74,7 @@ class WorkerPool:
             await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
         except TimeoutError:
             raise TimeoutError(f"rollout worker {slot.worker_id} did not start within {START_TIMEOUT_S:g} s") from None
-        epoch, members = self._engines()  # engines may have changed while it was starting
-        await call(slot.actor.set_engines, epoch, members)
+        await call(slot.actor.set_engines, *self._engines())  # as they are now, however long it took to start
         async with self._live:
             slot.alive = True
             self._live.notify_all()
