@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 import torch
@@ -61,10 +62,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass
+class Served:
+    """A `relax-gym serve` app running in a thread: its URL, its engine, and a way to stop it early."""
+
+    url: str
+    engine: EmbeddedEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
 @contextmanager
-def serving(
+def served(
     loaded: LoadedModel, port: int | None = None, limits: ServerLimits | None = None, **engine_kwargs
-) -> Iterator[tuple[str, EmbeddedEngine]]:
+) -> Iterator[Served]:
     """`create_app` under uvicorn (as `serve` configures it) in a background thread on loopback."""
     limits = limits or ServerLimits()
     engine = EmbeddedEngine(loaded, **engine_kwargs)
@@ -78,8 +94,17 @@ def serving(
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        yield Served(f"http://127.0.0.1:{port}", engine, server, thread)
     finally:
         server.should_exit = True
         thread.join(10)
         asyncio.run(engine.close())
+
+
+@contextmanager
+def serving(
+    loaded: LoadedModel, port: int | None = None, limits: ServerLimits | None = None, **engine_kwargs
+) -> Iterator[tuple[str, EmbeddedEngine]]:
+    """`served`, as (URL, engine)."""
+    with served(loaded, port, limits, **engine_kwargs) as s:
+        yield s.url, s.engine

@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray")
 
 from cluster_support import (  # noqa: E402
     STEPS,
+    WARM_START,
     assert_exactly_once,
     config,
     events,
@@ -41,6 +42,19 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 def reference(tmp_path_factory) -> list[dict]:
     """The uninterrupted in-process run every scenario must reproduce."""
     return reference_run(tmp_path_factory)
+
+
+@pytest.fixture
+def external_server(monkeypatch):
+    """A `relax-gym serve` outside the cluster (the warm start, one request per batch, as the run's engines), with
+    its key exported as an operator would for the run to reach it."""
+    from engine_support import KEY, served
+
+    from relax_gym.models import load_model
+
+    monkeypatch.setenv("RELAX_GYM_API_KEY", KEY)
+    with served(load_model(str(WARM_START)), max_batch_size=1) as server:
+        yield server
 
 def test_the_ray_run_trains_exactly_like_the_in_process_run(ray_cluster, reference, tmp_path):
     run_dir = tmp_path / "run"
@@ -195,63 +209,47 @@ def test_the_control_api_scales_engines_out_and_in_while_training(ray_cluster, r
 
 
 def test_served_engines_with_disk_weights_fail_over_and_take_in_an_external_server(ray_cluster, reference, tmp_path,
-                                                                                    monkeypatch):
+                                                                                    external_server):
     """Engines serve SGLang's HTTP routes from their actors and load weights from the run's folder: one killed
     fails over over HTTP and comes back synced; an external `relax-gym serve` registered by URL joins at the
     published version."""
-    from engine_support import KEY, serving
-
-    from relax_gym.models import load_model
-
-    monkeypatch.setenv("RELAX_GYM_API_KEY", KEY)  # the external server's key, as an operator would export it
     run_dir = tmp_path / "run"
-    external: dict = {}
+    joined: dict = {}
 
     async def operate(run: ClusterTrainer) -> None:
         if run.step == 1:
             ray.kill(run.fleet.slots["engine-0"].actor)
             await restarted(run, "engine-0")
         if run.step == 2:
-            engine_id = await run.fleet.add_engine(url=external["url"])
-            external["version"] = run.fleet.slots[engine_id].version
-            external["engine"] = external["served"].weight_version
+            engine_id = await run.fleet.add_engine(url=external_server.url)
+            joined.update(version=run.fleet.slots[engine_id].version, loaded=external_server.engine.weight_version)
 
-    with serving(load_model(str(config(run_dir).model.path)), max_batch_size=1) as (url, engine):
-        external.update(url=url, served=engine)
-        train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=disk"), on_step=operate)
-        served_after = engine.weight_version
+    train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=disk"), on_step=operate)
     assert losses(records(run_dir)) == losses(reference)
     assert_exactly_once(run_dir)
-    assert external["version"] == external["engine"] == 2  # synced from the newest folder before serving
-    assert served_after == STEPS  # it took the later publications too
+    assert joined["version"] == joined["loaded"] == 2  # synced from the newest folder before serving
+    assert external_server.engine.weight_version == STEPS  # it took the later publications too
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == [f"v{STEPS - 1}", f"v{STEPS}"]  # pruned
 
 
 def test_distributed_weight_sync_reaches_served_engines_and_regroups_after_a_kill(ray_cluster, reference, tmp_path,
-                                                                                   monkeypatch):
+                                                                                   external_server):
     """The trainer rank broadcasts over gloo to engines that joined through SGLang's routes; a killed engine is
     left out of the group, its successor catches up through a group of its own and rejoins at the next step; an
     external `relax-gym serve` registered by URL joins the same way."""
-    from engine_support import KEY, serving
-
-    from relax_gym.models import load_model
-
-    monkeypatch.setenv("RELAX_GYM_API_KEY", KEY)
     run_dir = tmp_path / "run"
-    external: dict = {}
+    joined: dict = {}
 
     async def chaos(run: ClusterTrainer) -> None:
         if run.step == 1:
             ray.kill(run.fleet.slots["engine-1"].actor)
             await restarted(run, "engine-1")
         if run.step == 2:
-            engine_id = await run.fleet.add_engine(url=external["url"])
-            external["joined_at"] = run.fleet.slots[engine_id].version
+            engine_id = await run.fleet.add_engine(url=external_server.url)
+            joined["version"] = run.fleet.slots[engine_id].version
 
-    with serving(load_model(str(config(run_dir).model.path)), max_batch_size=1) as (url, engine):
-        external["url"] = url
-        train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=distributed"), on_step=chaos)
-        assert external["joined_at"] == 2 and engine.weight_version == STEPS  # it took the later broadcasts too
+    train_cluster(config(run_dir, "cluster.engines.kind=serve", "cluster.weight_sync=distributed"), on_step=chaos)
+    assert joined["version"] == 2 and external_server.engine.weight_version == STEPS  # it took later broadcasts
     assert losses(records(run_dir)) == losses(reference)
     assert_exactly_once(run_dir)
     assert not (run_dir / "weights").exists()  # nothing went through the disk
