@@ -84,9 +84,6 @@ class RayEngineClient:
     async def close(self) -> None:
         """The controller owns engine actors; a worker's client closes nothing."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (RayEngineClient, (self.engine_id, self.actor))
-
 
 class RemoteBackend:
     """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank`); blocking, as the loop
