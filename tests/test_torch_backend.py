@@ -19,6 +19,7 @@ from relax_gym.trainer.backends import (
     pack_micro_batches,
     token_logprobs,
 )
+from relax_gym.trainer.backends.torch_backend import trained_columns
 
 MULTIMODAL = ("tiny-vl", "tiny-audio")
 
@@ -283,6 +284,27 @@ def test_a_step_with_no_trained_tokens_is_skipped_not_applied():
     metrics = backend.train_step(samples, _pg_loss)  # 0 / 0: non-finite gradients
     assert metrics["skipped"] == 1.0 and backend.version == 1
     assert all(torch.equal(before[k], v) for k, v in backend.hf_state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl"])
+def test_projecting_only_trained_positions_gives_the_full_forwards_step(name):
+    """The step's forward keeps only the trained positions' logits (`logits_to_keep`): the loss, the gradients
+    and the entropy metric are those of the forward over every position."""
+    samples = _samples(name, 3)
+    full = TorchBackend(load_model(name))
+    full._keeps_logits = False
+    kept = TorchBackend(load_model(name))
+    assert kept._keeps_logits
+    (full_metrics, full_grads, _), (kept_metrics, kept_grads, _) = (
+        _train_capturing_grads(b, samples) for b in (full, kept)
+    )
+    assert abs(full_metrics["loss"] - kept_metrics["loss"]) <= 1e-6
+    assert _max_diff(full_grads, kept_grads) <= 1e-6
+
+
+def test_trained_columns_are_the_positions_that_predict_trained_tokens():
+    assert trained_columns([[0, 0, 1, 1, 0], [0, 0, 0, 1]], 5).tolist() == [1, 2]
+    assert trained_columns([[0, 0, 0]], 3).tolist() == [0]  # nothing trained: one column keeps the graph
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

@@ -40,8 +40,10 @@ class Sample:
 class MicroBatch:
     """Right-padded [B, T] tensors for one forward/backward; `mask` is loss_mask with padding zeroed."""
 
-    logprobs: torch.Tensor  # with grad
-    entropy: torch.Tensor | None
+    #: with grad; exact where `mask` is 1, and a backend may leave the untrained positions 0 (the torch
+    #: backend projects only the trained positions onto the vocabulary), so a loss reads them under `mask`
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None  # as `logprobs`: exact where `mask` is 1
     mask: torch.Tensor
     advantages: torch.Tensor  # per token (the sample's advantage broadcast over its tokens)
     rollout_logprobs: torch.Tensor

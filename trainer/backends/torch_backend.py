@@ -15,6 +15,7 @@ rounded away; fp16 is refused since it would need loss scaling.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -114,24 +115,45 @@ def token_logprobs(
     *,
     with_entropy: bool = False,
     chunk_rows: int | None = None,
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log p(token t | < t) under softmax(logits / temperature), and that distribution's entropy.
 
     `logits` [B, T, V] come from a forward over `input_ids` [B, T]; row t predicts
     token t + 1, so outputs are shifted right by one and position 0 (no context) is 0,
-    the alignment of `Trajectory.rollout_logprobs`. fp32 (fp64 for fp64 logits) whatever
-    the logits' dtype. Differentiable; see `_TokenLogprobs` for why it is not
+    the alignment of `Trajectory.rollout_logprobs`. With `columns` [K] (ascending positions
+    < T - 1), `logits` [B, K, V] are those positions' only, as a forward with
+    `logits_to_keep=columns` returns them, and the outputs are 0 everywhere else: a training
+    step needs only the trained tokens, and on a small model the vocabulary projection and its
+    softmax over every position cost as much as the rest of the model. fp32 (fp64 for fp64
+    logits) whatever the logits' dtype. Differentiable; see `_TokenLogprobs` for why it is not
     `log_softmax` + `gather`.
     """
-    batch, length, vocab = logits.shape
-    targets = input_ids.roll(-1, dims=1).reshape(-1)  # the last column's target is never used
+    batch, length = input_ids.shape
+    vocab = logits.shape[-1]
+    # without columns the last position's target is never used (it wraps around)
+    targets = input_ids.roll(-1, dims=1) if columns is None else input_ids[:, columns + 1]
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
-    logprobs, entropy = _TokenLogprobs.apply(logits.reshape(-1, vocab), targets, temperature, with_entropy, rows)
+    logprobs, entropy = _TokenLogprobs.apply(logits.reshape(-1, vocab), targets.reshape(-1), temperature,
+                                             with_entropy, rows)
 
     def aligned(per_row: torch.Tensor) -> torch.Tensor:
-        return F.pad(per_row.view(batch, length)[:, :-1], (1, 0))
+        per_row = per_row.view(batch, -1)
+        if columns is None:
+            return F.pad(per_row[:, :-1], (1, 0))
+        return per_row.new_zeros(batch, length).index_copy(1, columns + 1, per_row)
 
     return aligned(logprobs), aligned(entropy) if with_entropy else None
+
+
+def trained_columns(loss_masks: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """Ascending positions whose logits predict a trained token in some row (t - 1 for each trained t).
+
+    Never empty: a micro-batch with nothing trained keeps position 0, so its loss still reaches the
+    weights and a step normalised by zero tokens still shows a non-finite gradient norm.
+    """
+    keep = sorted({t - 1 for mask in loss_masks for t, m in enumerate(mask) if m and 0 < t < width})
+    return torch.tensor(keep or [0], dtype=torch.long)
 
 
 def pack_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -203,6 +225,8 @@ class TorchBackend:
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
         self.version = 0
+        #: whether the forward can project only chosen positions onto the vocabulary (`token_logprobs`' columns)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -236,13 +260,22 @@ class TorchBackend:
         return inputs
 
     def _forward(
-        self, samples: Sequence[Sample], temperature: float, with_entropy: bool
+        self, samples: Sequence[Sample], temperature: float, with_entropy: bool, *, trained_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T] logprobs (and entropy) of a micro-batch, 0 at position 0 and at padding."""
+        """[B, T] logprobs (and entropy) of a micro-batch, 0 at position 0 and at padding.
+
+        `trained_only`: exact at the trained tokens (loss_mask 1), 0 elsewhere, when the model's forward takes
+        `logits_to_keep` (most HF causal LMs and Qwen-VL do); every position otherwise.
+        """
         inputs = self._model_inputs(samples)
+        columns = None
+        if trained_only and self._keeps_logits:
+            columns = trained_columns([s.loss_mask for s in samples], inputs["input_ids"].shape[1]).to(self.device)
+        keep = {} if columns is None else {"logits_to_keep": columns}
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            logits = self.model(**inputs, use_cache=False).logits
-        logprobs, entropy = token_logprobs(logits, inputs["input_ids"], temperature, with_entropy=with_entropy)
+            logits = self.model(**inputs, use_cache=False, **keep).logits
+        logprobs, entropy = token_logprobs(logits, inputs["input_ids"], temperature, with_entropy=with_entropy,
+                                           columns=columns)
         padding = inputs["attention_mask"] == 0
         return logprobs.masked_fill(padding, 0.0), None if entropy is None else entropy.masked_fill(padding, 0.0)
 
@@ -250,7 +283,7 @@ class TorchBackend:
         self, batch: Sequence[Sample], temperature: float, step_tokens: int, step_sequences: int
     ) -> MicroBatch:
         """The forward with grad of one micro-batch, with the per-token data the loss function reads."""
-        logprobs, entropy = self._forward(batch, temperature, with_entropy=True)
+        logprobs, entropy = self._forward(batch, temperature, with_entropy=True, trained_only=True)
         return build_micro_batch(batch, logprobs, entropy, step_tokens=step_tokens, step_sequences=step_sequences)
 
     # --- TrainBackend -------------------------------------------------------------------------
