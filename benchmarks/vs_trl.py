@@ -7,12 +7,23 @@ Both frameworks train the quickstart's setting from the same warm-start checkpoi
 batch. TRL's reward function is relax-gym's own grader: each prompt row carries the seed it was drawn
 with, and the reward is `env.reset(seed=seed)` then `env.step(completion).reward`.
 
-Per seed, the two runs go at the same time, each in its own process pinned to its own core
-(`os.sched_setaffinity`, one torch thread, OMP/MKL threads 1), so machine noise hits both. relax-gym
-runs in sync mode (max_staleness 0, no logprob recompute); TRL runs with HF `generate` (its default,
-no vLLM on a CPU). Reported per framework and seed: mean s/step after the first few steps, wall
-time from the first step's start to a rolling (10-step window) train reward of 0.3 and 0.4, the ratio
+Per seed, by default (`--cores-each 1`) the two runs go at the same time, each in its own process pinned
+to its own core (`os.sched_setaffinity`, one torch thread, OMP/MKL threads 1), so machine noise hits both.
+relax-gym runs in sync mode (max_staleness 0, no logprob recompute); TRL runs with HF `generate` (its
+default, no vLLM on a CPU). With `--cores-each 2` each side gets both cores (and 2 torch threads) in turn:
+relax-gym alone, then TRL alone, since the machine has only two cores; relax-gym then runs async with
+max_staleness 1, as the quickstart does, so its rollout and training can overlap on the two cores.
+Reported per framework and seed: mean s/step after the first few steps (the wall clock between consecutive
+steps), wall time from the start to a rolling (10-step window) train reward of 0.3 and 0.4, the ratio
 relax-gym / TRL, and relax-gym's phase split from its metrics rows.
+
+Phase floors, measured at the end of the relax-gym worker (same process, same cores, after training), say
+how far each relax-gym phase is from what plain HF code needs for the same work: the rollout floor is one
+batched `model.generate` of a step's 128 prompts (median of 5), the trainer floor the plain model's
+forward + backward + AdamW step on a step's 128 sequences (prompts plus completions of the run's mean
+completion length, right-padded; median of 10). `wait_rollout_s` is printed against the rollout floor,
+`train_s` against the trainer floor, in seconds and as a multiple of the floor. In async mode
+`wait_rollout_s` is only the part of the rollout the trainer waited for, so it can fall below its floor.
 
 TRL lives in its own venv, never in the project's (it could move pinned packages); see
 benchmarks/requirements-trl.txt:
@@ -25,10 +36,13 @@ benchmarks/requirements-trl.txt:
 Rerun:
 
     .venv/bin/python benchmarks/vs_trl.py --quick                     # 8 steps, 1 seed: does it work
-    .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 --steps 200     # the measurement
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 --steps 200     # the measurement, one core each
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 --steps 200 --cores-each 2   # both cores, in turn
+    .venv/bin/python benchmarks/vs_trl.py --relax-overrides rollout.max_total_tokens=96 ...  # extra config
     .venv/bin/python benchmarks/vs_trl.py --trl-python /path/to/venv/bin/python ...
 
-Per-step rows go to benchmarks/runs/vs_trl/<framework>_seed<N>.jsonl, the summary to summary.json there.
+Per-step rows go to benchmarks/runs/vs_trl/<framework>_seed<N>.jsonl, relax-gym's floors to
+relax_seed<N>.floors.json, the summary to summary.json there.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,16 +72,17 @@ WINDOW = 10
 THRESHOLDS = (0.3, 0.4)
 SKIP_STEPS = 3  # steps left out of the s/step mean (warm-up)
 PHASES = ("wait_rollout_s", "logprobs_s", "train_s", "weight_sync_s")
+FLOOR_OF = {"wait_rollout_s": "rollout_floor_s", "train_s": "trainer_floor_s"}  # phase -> the floor it is held to
 
 
-def pin(core: int) -> None:
-    """Pins this process (and the threads and children it starts later) to one core, one torch thread."""
-    os.sched_setaffinity(0, {core})
+def pin(cores: set[int], threads: int) -> None:
+    """Pins this process (and the threads and children it starts later) to `cores`, with `threads` torch threads."""
+    os.sched_setaffinity(0, cores)
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # already set once some parallel work ran
-        torch.set_num_interop_threads(1)
+        torch.set_num_interop_threads(threads)
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -77,8 +92,9 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 # --- relax-gym side -------------------------------------------------------------------------------
 
 
-def run_relax(seed: int, steps: int, out: Path) -> None:
-    """relax-gym's in-process trainer in sync mode; rows are its metrics rows plus a wall clock."""
+def run_relax(seed: int, steps: int, out: Path, mode: str = "sync", overrides: tuple[str, ...] = ()) -> None:
+    """relax-gym's in-process trainer (sync, or async with staleness 1); rows are its metrics rows, timed by their
+    wall clock. Ends with the phase floors (`measure_floors`), written next to the rows."""
     import asyncio
 
     from relax_gym.trainer.config import load_config
@@ -95,20 +111,109 @@ def run_relax(seed: int, steps: int, out: Path) -> None:
         f"envs=[{{id: {ENV_ID}, kwargs: {{{kwargs}}}}}]",
         f"rollout.group_size={GROUP_SIZE}", f"rollout.groups_per_step={GROUPS_PER_STEP}",
         f"rollout.temperature={TEMPERATURE}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}", "rollout.max_turns=1",
-        f"trainer.lr={LR}", "trainer.mode=sync", "trainer.max_staleness=0", f"trainer.total_steps={steps}",
-        f"trainer.eval_every={10 * steps}", "trainer.checkpoint_every=1000000",
-        "algorithm.recompute_old_logprobs=false",
+        f"trainer.lr={LR}", f"trainer.mode={mode}", f"trainer.max_staleness={0 if mode == 'sync' else 1}",
+        f"trainer.total_steps={steps}", f"trainer.eval_every={10 * steps}", "trainer.checkpoint_every=1000000",
+        "algorithm.recompute_old_logprobs=false", *overrides,
     ])
     trainer = Trainer(cfg)
     asyncio.run(trainer.run())
+    del trainer
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in metrics if r.get("type") == "train"]
-    rows, elapsed = [], 0.0
-    for r in train:  # sync mode: steps do not overlap, so the step times add up to the training wall time
-        elapsed += r["step_time_s"]
-        rows.append({"step": r["step"], "reward": r["reward_mean"], "step_s": r["step_time_s"], "t": elapsed,
+    rows, last = [], 0.0
+    for r in train:  # time_s is the run's wall clock at each train row: right whether or not steps overlap
+        rows.append({"step": r["step"], "reward": r["reward_mean"], "step_s": r["time_s"] - last, "t": r["time_s"],
                      **{k: r.get(k) for k in PHASES}})
+        last = r["time_s"]
     write_rows(out, rows)
+    gen = [r["trained_generated_tokens_mean"] for r in train if r.get("trained_generated_tokens_mean") is not None]
+    floors = measure_floors(seed, fmean(gen) if gen else float(MAX_NEW_TOKENS))
+    out.with_suffix(".floors.json").write_text(json.dumps(floors, indent=1))
+
+
+def measure_floors(seed: int, completion_tokens: float) -> dict[str, Any]:
+    """What plain HF code needs for one step's work on this process's cores: the floor each relax-gym phase is
+    held to. The batch is a step's: 16 prompts x 8, rendered with the checkpoint's chat template; the trainer
+    floor's completions are random tokens, `completion_tokens` long on average (the run's mean)."""
+    import gc
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import relax_gym
+
+    gc.collect()
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
+    env = relax_gym.make(ENV_ID, **ENV_KWARGS)
+    task_seeds = np.random.default_rng(seed).integers(0, 2**31 - 1, size=GROUPS_PER_STEP).tolist()
+    prompts: list[list[int]] = []
+    for s in task_seeds:
+        messages = [{"role": m["role"], "content": text_of(m)} for m in env.reset(seed=s)[0]]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        prompts += [ids] * GROUP_SIZE
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    n = len(prompts)
+
+    def timed(fn: Any, warmup: int, repeats: int) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    # rollout floor: one batched generate of the step's prompts, left-padded
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT).eval()
+    gen_cfg = GenerationConfig.from_pretrained(CHECKPOINT)
+    eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else tokenizer.eos_token_id
+    new_tokens: list[int] = []
+
+    def generate() -> None:
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE,
+                                 top_k=0, top_p=1.0, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos,
+                                 pad_token_id=pad)
+        new_tokens.append(out.shape[1] - width)
+
+    rollout = timed(generate, 1, 5)
+
+    # trainer floor: forward + backward of the completion tokens' logprobs, plus one AdamW step, right-padded
+    torch.manual_seed(seed)
+    base, extra = int(completion_tokens), round((completion_tokens - int(completion_tokens)) * n)
+    lengths = [max(1, base + (i < extra)) for i in range(n)]  # lengths whose mean is the run's
+    vocab = len(tokenizer)
+    seqs = [p + torch.randint(0, vocab, (k,)).tolist() for p, k in zip(prompts, lengths, strict=True)]
+    width = max(map(len, seqs))
+    input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    completion = torch.zeros(n, width, dtype=torch.bool)  # marks the completion tokens, as loss targets
+    for i, (p, k) in enumerate(zip(prompts, lengths, strict=True)):
+        completion[i, len(p): len(p) + k] = True
+    model = AutoModelForCausalLM.from_pretrained(CHECKPOINT).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+    def train_step() -> None:
+        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+        logprobs = logits.float().log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        logprobs[completion[:, 1:]].sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    trainer = timed(train_step, 2, 10)
+    return {
+        "rollout_floor_s": median(rollout), "trainer_floor_s": median(trainer),
+        "rollout_samples_s": rollout, "trainer_samples_s": trainer, "rollout_new_tokens": new_tokens,
+        "batch": [n, width], "prompt_tokens_mean": fmean(map(len, prompts)), "completion_tokens_mean":
+        fmean(lengths), "cores": sorted(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+    }
 
 
 # --- TRL side -------------------------------------------------------------------------------------

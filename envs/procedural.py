@@ -84,7 +84,8 @@ class ArithmeticEnv(SingleTurnEnv):
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
         terms = [str(int(n)) for n in rng.integers(low, 10**self.digits, size=self.n_terms)]
-        ops = [str(rng.choice(list(self.ops))) for _ in range(self.n_terms - 1)]
+        # the draws of `rng.choice(list(self.ops))`, without building an array of strings each time
+        ops = [self.ops[rng.integers(0, len(self.ops))] for _ in range(self.n_terms - 1)]
         expression = " ".join([terms[0], *(f"{op} {term}" for op, term in zip(ops, terms[1:], strict=True))])
         value, _ = evaluate_expression(expression)
         how = "Reply with just the integer." if self.answer_format == "plain" else "Put the final answer in \\boxed{}."

@@ -88,3 +88,29 @@ def test_non_canonical_policy_tokens_are_not_mistaken_for_a_template_problem():
     conv.append_observation([message("user", "again")])
     assert conv.rerender_diff() is not None  # the token sequences differ...
     assert conv.template_diff() is None  # ...but the template appended exactly what it renders
+
+
+def test_a_prompt_cache_renders_a_text_prompt_once_and_never_caches_media():
+    from PIL import Image
+
+    from relax_gym.messages import image
+    from relax_gym.rollout.tokens import PromptCache
+
+    loaded = load_model("tiny-vl")
+    cache = PromptCache(size=2)
+    prompt = [message("system", "Be brief."), message("user", "What is 2 + 3?")]
+    fresh = ConversationTokens.start(loaded, prompt)
+    first, again = (ConversationTokens.start(loaded, prompt, cache=cache) for _ in range(2))
+    assert first.token_ids == again.token_ids == fresh.token_ids
+    assert again.segments[0].text == fresh.segments[0].text and len(cache._items) == 1
+    again.token_ids.append(7)  # a conversation's tokens are its own, not the cache's
+    assert ConversationTokens.start(loaded, prompt, cache=cache).token_ids == fresh.token_ids
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with_tools = ConversationTokens.start(loaded, prompt, tools, cache=cache)
+    assert with_tools.token_ids == ConversationTokens.start(loaded, prompt, tools).token_ids != fresh.token_ids
+    picture = [message("user", image(Image.new("RGB", (64, 64), "red")), "What?")]
+    assert PromptCache.key(picture, None) is None
+    ConversationTokens.start(loaded, picture, cache=cache)
+    assert len(cache._items) == 2  # the text prompt and the one with tools; the least recent goes past `size`
+    ConversationTokens.start(loaded, [message("user", "Another?")], cache=cache)
+    assert len(cache._items) == 2 and cache.get(PromptCache.key(prompt, None)) is None

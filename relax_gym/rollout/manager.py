@@ -23,7 +23,7 @@ from relax_gym.engines.base import Engine, EngineError, EngineUnavailableError, 
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
 from relax_gym.registration import make
-from relax_gym.rollout.tokens import ConversationTokens, TemplateError
+from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
 from relax_gym.trajectory import Status, Trajectory
 
@@ -116,6 +116,8 @@ class RolloutManager:
         #: when set, every request is seeded from (this, task seed, member of the group, turn), so a
         #: run's samples do not depend on request timing or batching
         self.sampling_seed = sampling_seed
+        #: a group's episodes share their prompt's render (see `PromptCache`)
+        self.prompts = PromptCache()
 
     def pool(self, env_id: str, env_kwargs: dict[str, Any] | None = None) -> EnvPool:
         key = (env_id, repr(sorted((env_kwargs or {}).items())))
@@ -227,7 +229,8 @@ class _Episode:
         try:
             messages = env.format_observation(obs)
             self.task = _task_text(messages)
-            self.conv = ConversationTokens.start(m.loaded, messages, getattr(env, "tool_schemas", None) or None)
+            self.conv = ConversationTokens.start(m.loaded, messages, getattr(env, "tool_schemas", None) or None,
+                                                 cache=m.prompts)
         except (TemplateError, ValueError) as err:
             self.end("failed", f"could not render the prompt: {err}")
             return

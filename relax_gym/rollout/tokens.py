@@ -20,8 +20,10 @@ design; `template_diff` measures it and the manager reports it as expected
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +42,7 @@ from relax_gym.models.template_traits import (
 )
 from relax_gym.trajectory import Segment
 
-__all__ = ["ConversationTokens", "TemplateError", "first_difference"]
+__all__ = ["ConversationTokens", "PromptCache", "TemplateError", "first_difference"]
 
 
 def _media_of(messages: list[Message]) -> list[Any]:
@@ -62,6 +64,41 @@ def _encode(loaded: LoadedModel, text: str, messages: list[Message]) -> tuple[li
         return fast.encode(text, add_special_tokens=False).ids, {}
     out = encode(loaded, text, messages)
     return out["input_ids"][0].tolist(), {k: out[k] for k in MEDIA_KEYS if k in out}
+
+
+class PromptCache:
+    """Rendered and tokenized text-only prompts, by content, for one model.
+
+    A GRPO group's episodes start from the same messages, and a short episode's bookkeeping is
+    mostly that render (a Jinja pass over the whole template) and its tokenization, so the group
+    renders once. Prompts with media are never cached (their parts hold images and audio).
+    Least-recently-used entries go beyond `size`.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, tuple[str, list[int]]] = OrderedDict()
+
+    @staticmethod
+    def key(messages: list[Message], tools: list[dict[str, Any]] | None) -> Hashable | None:
+        """The prompt's identity, or None when a message holds anything but text parts."""
+        parts: list[Hashable] = []
+        for msg in messages:
+            if set(msg) - {"role", "content"} or any(p["type"] != "text" for p in msg["content"]):
+                return None
+            parts.append((msg["role"], *(p["text"] for p in msg["content"])))
+        return tuple(parts), None if tools is None else json.dumps(tools, sort_keys=True, default=repr)
+
+    def get(self, key: Hashable) -> tuple[str, list[int]] | None:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+        return hit
+
+    def put(self, key: Hashable, text: str, ids: list[int]) -> None:
+        self._items[key] = (text, ids)
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
 
 
 @dataclass
@@ -88,10 +125,20 @@ class ConversationTokens:
     _stand_in_calls: bool = False
 
     @classmethod
-    def start(cls, loaded: LoadedModel, messages: list[Message], tools: list[dict[str, Any]] | None = None):
+    def start(cls, loaded: LoadedModel, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+              *, cache: PromptCache | None = None):
+        """The conversation of the rendered prompt; `cache` (one per model) reuses a text-only prompt's render."""
         conv = cls(loaded, tools or None, list(messages), traits=template_traits(loaded))
-        text = chat_text(loaded, conv.messages, tools=conv.tools, add_generation_prompt=True)
-        ids, features = _encode(loaded, text, conv.messages)
+        key = None if cache is None else cache.key(conv.messages, conv.tools)
+        hit = None if key is None or cache is None else cache.get(key)
+        features: dict[str, torch.Tensor] = {}
+        if hit is not None:
+            text, ids = hit[0], list(hit[1])
+        else:
+            text = chat_text(loaded, conv.messages, tools=conv.tools, add_generation_prompt=True)
+            ids, features = _encode(loaded, text, conv.messages)
+            if key is not None and cache is not None:
+                cache.put(key, text, list(ids))
         conv._append(ids, "prompt", text, conv.messages, features)
         conv.prompt_len = len(ids)
         return conv
@@ -280,7 +327,10 @@ class ConversationTokens:
         expands, are collapsed to one on our side.
         """
         history, last = self._history()
-        full = chat_text(self.loaded, history, tools=self.tools, add_generation_prompt=True)
+        if len(self.segments) == 2 and last is not None:  # the prompt and one reply: the history is the prompt
+            full = self.segments[0].text
+        else:
+            full = chat_text(self.loaded, history, tools=self.tools, add_generation_prompt=True)
         if last is not None:
             full += last.text
         ours = self.loaded.decode(self.token_ids)
