@@ -122,8 +122,8 @@ def run_relax(seed: int, steps: int, out: Path, mode: str = "sync", overrides: t
     train = [r for r in metrics if r.get("type") == "train"]
     rows, last = [], 0.0
     for r in train:  # time_s is the run's wall clock at each train row: right whether or not steps overlap
-        rows.append({"step": r["step"], "reward": r["reward_mean"], "step_s": r["time_s"] - last, "t": r["time_s"],
-                     **{k: r.get(k) for k in PHASES}})
+        rows.append({"step": r["step"], "reward": r["reward_mean"], "step_s": round(r["time_s"] - last, 3),
+                     "t": r["time_s"], **{k: r.get(k) for k in PHASES}})
         last = r["time_s"]
     write_rows(out, rows)
     gen = [r["trained_generated_tokens_mean"] for r in train if r.get("trained_generated_tokens_mean") is not None]
@@ -151,7 +151,7 @@ def measure_floors(seed: int, completion_tokens: float) -> dict[str, Any]:
     for s in task_seeds:
         messages = [{"role": m["role"], "content": text_of(m)} for m in env.reset(seed=s)[0]]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
         prompts += [ids] * GROUP_SIZE
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = len(prompts)
@@ -312,16 +312,34 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def launch(
-    python: str, framework: str, seed: int, steps: int, core: int, extra: tuple[str, ...] = ()
+    python: str, framework: str, seed: int, steps: int, cores: list[int], extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, Path]:
+    """A worker process pinned to `cores`, one torch / OMP / MKL thread per core."""
     path = OUT / f"{framework}_seed{seed}.jsonl"
     path.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    path.with_suffix(".floors.json").unlink(missing_ok=True)
+    threads = str(len(cores))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONHASHSEED": str(seed)}
     log = open(OUT / f"{framework}_seed{seed}.log", "w")  # noqa: SIM115 (closed with the process)
     cmd = [python, str(Path(__file__).resolve()), "--worker", framework, "--seed", str(seed), "--steps", str(steps),
-           "--core", str(core), "--out", str(path), *extra]
+           "--pin", *map(str, cores), "--out", str(path), *extra]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), path
+
+
+def wait_all(procs: dict[str, tuple[subprocess.Popen, Path]], seed: int) -> dict[str, float]:
+    """Each process's wall time, start-up included (polled, so one side's time is not the slower side's)."""
+    start = time.perf_counter()
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs):
+        for name, (proc, _) in procs.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.perf_counter() - start
+                if proc.returncode != 0:
+                    sys.exit(f"{name} seed {seed} failed (exit {proc.returncode}); "
+                             f"see {OUT / f'{name}_seed{seed}.log'}")
+        time.sleep(0.05)
+    return ended
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -335,50 +353,74 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 steps, seed 0: checks that both sides run")
     parser.add_argument("--trl-python", default="/tmp/venv-trl/bin/python")
     parser.add_argument("--relax-python", default=sys.executable)
-    parser.add_argument("--cores", type=int, nargs=2, default=[0, 1], help="relax-gym's core, then TRL's")
+    parser.add_argument("--cores", type=int, nargs=2, default=[0, 1],
+                        help="relax-gym's core, then TRL's (with --cores-each 2: the two cores each side gets)")
+    parser.add_argument("--cores-each", type=int, choices=[1, 2], default=1,
+                        help="1: both sides at once, one core each (relax-gym sync); 2: each side alone on both "
+                             "cores, one after the other (relax-gym async, max_staleness 1)")
+    parser.add_argument("--relax-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra relax-gym config overrides, applied after the benchmark's own")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="keep TRL's default gradient checkpointing (off here: relax-gym does not checkpoint)")
     parser.add_argument("--worker", choices=["relax", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--core", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pin", type=int, nargs="+", default=[0], help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
-        pin(args.core)
+        pin(set(args.pin), len(args.pin))
         if args.worker == "relax":
-            run_relax(args.seed, args.steps, args.out)
+            run_relax(args.seed, args.steps, args.out, args.mode, tuple(args.relax_overrides))
         else:
             run_trl(args.seed, args.steps, args.out, args.trl_gradient_checkpointing)
         return
 
     seeds, steps = ([0], 8) if args.quick else (args.seeds, args.steps)
+    together = args.cores_each == 1
+    mode = "sync" if together else "async"
+    if together:
+        setup = (f"at the same time, relax-gym pinned to core {args.cores[0]} and TRL to core {args.cores[1]}, "
+                 "1 torch thread each; relax-gym sync")
+    else:
+        setup = (f"one after the other (2 cores on this machine), each alone on cores {set(args.cores)} with 2 torch "
+                 "threads; relax-gym async, max_staleness 1")
+    print(f"vs_trl: {setup}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"steps": steps, "seeds": seeds, "argv": sys.argv[1:], "runs": {}}
+    summary: dict[str, Any] = {"steps": steps, "seeds": seeds, "argv": sys.argv[1:], "cores_each": args.cores_each,
+                               "relax_mode": mode, "setup": setup, "runs": {}}
+    relax_extra = ("--mode", mode, *(("--relax-overrides", *args.relax_overrides) if args.relax_overrides else ()))
+    trl_extra = ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()
     for seed in seeds:
-        start = time.perf_counter()
-        procs = {
-            "relax": launch(args.relax_python, "relax", seed, steps, args.cores[0]),
-            "trl": launch(args.trl_python, "trl", seed, steps, args.cores[1],
-                          ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()),
-        }
-        ended: dict[str, float] = {}
-        while len(ended) < len(procs):  # polled, so each side's process wall time (start-up included) is its own
-            for name, (proc, _) in procs.items():
-                if name not in ended and proc.poll() is not None:
-                    ended[name] = time.perf_counter() - start
-                    if proc.returncode != 0:
-                        sys.exit(f"{name} seed {seed} failed (exit {proc.returncode}); "
-                                 f"see {OUT / f'{name}_seed{seed}.log'}")
-            time.sleep(0.05)
+        if together:
+            procs = {
+                "relax": launch(args.relax_python, "relax", seed, steps, [args.cores[0]], relax_extra),
+                "trl": launch(args.trl_python, "trl", seed, steps, [args.cores[1]], trl_extra),
+            }
+            ended = wait_all(procs, seed)
+        else:  # both cores to each side in turn: there are only two
+            procs, ended = {}, {}
+            for name, python, extra in (("relax", args.relax_python, relax_extra),
+                                        ("trl", args.trl_python, trl_extra)):
+                procs[name] = launch(python, name, seed, steps, sorted(set(args.cores)), extra)
+                ended |= wait_all({name: procs[name]}, seed)
         print(f"seed {seed}: " + ", ".join(f"{k} process {v:.1f} s" for k, v in ended.items()), flush=True)
         for name, (_, path) in procs.items():
             rows = [json.loads(x) for x in path.read_text().splitlines()]
             summary["runs"][f"{name}_seed{seed}"] = {**summarize(rows), "process_wall_s": ended[name]}
+        relax = summary["runs"][f"relax_seed{seed}"]
+        floors_path = procs["relax"][1].with_suffix(".floors.json")
+        relax["floors"] = json.loads(floors_path.read_text())
+        relax["vs_floor"] = {
+            k: {"s": relax["phases"][k], "floor_s": relax["floors"][f], "x": relax["phases"][k] / relax["floors"][f]}
+            for k, f in FLOOR_OF.items()
+        }
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
 
     print(f"\n{steps} steps, {GROUPS_PER_STEP} prompts x {GROUP_SIZE} samples; rolling window {WINDOW}; "
           f"s/step over steps {SKIP_STEPS + 1}..{steps}; times from the first step's start")
+    print(f"runs: {setup}")
     print("| seed | framework | s/step | t to 0.3 (step) | t to 0.4 (step) | final rolling reward | process s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for seed in seeds:
@@ -401,6 +443,13 @@ def main() -> None:
     for seed in seeds:
         p = summary["runs"][f"relax_seed{seed}"]["phases"]
         print(f"  seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()))
+    print("\nrelax-gym phases against plain-HF floors on the same cores (mean s per steady step; floor: median):")
+    print("| seed | phase | relax-gym s | floor | floor s | x floor |")
+    print("|---|---|---:|---|---:|---:|")
+    for seed in seeds:
+        for k, v in summary["runs"][f"relax_seed{seed}"]["vs_floor"].items():
+            floor = "generate, 128 prompts" if k == "wait_rollout_s" else "fwd+bwd+AdamW, 128 seqs"
+            print(f"| {seed} | {k} | {v['s']:.3f} | {floor} | {v['floor_s']:.3f} | {v['x']:.2f} |")
 
 
 if __name__ == "__main__":

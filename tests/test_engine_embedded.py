@@ -167,7 +167,8 @@ def test_max_batch_size_caps_a_batch(tiny, prefills):
 
 
 @pytest.mark.timeout(60)
-def test_mixed_sampling_params_in_one_batch(chaotic, prefills):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_mixed_sampling_params_in_one_batch(chaotic, prefills, batching):
     """Greedy rows equal their solo runs; each row keeps its own max_new_tokens, stop string and stop id."""
     loaded = chaotic
     tokenizer = loaded.tokenizer
@@ -196,8 +197,9 @@ def test_mixed_sampling_params_in_one_batch(chaotic, prefills):
         GenerateRequest(base[2].input_ids, SamplingParams(temperature=0, max_new_tokens=24)),
     ]
     batches = prefills(loaded.model)
-    out = _run(_generate_all(EmbeddedEngine(loaded), rows))
-    assert batches == [6]
+    out = _run(_generate_all(EmbeddedEngine(loaded, batching=batching), rows))
+    # continuous batching prefills the 3 distinct prompts of the 6 rows once each
+    assert batches == ([3] if batching == "continuous" else [6])
     assert out[0].output_ids == solo[0].output_ids[:7] and out[0].finish_reason == "length"
     assert out[1].output_ids == ids1[: cut + 1] and out[1].finish_reason == "stop"
     assert out[2].output_ids == ids2[: first + 1] and out[2].finish_reason == "stop"

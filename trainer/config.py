@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from relax_gym.engines.base import SamplingParams
-from relax_gym.engines.embedded import MAX_BATCH_SIZE
+from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching
 from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
 from relax_gym.rollout.manager import MAX_CONCURRENCY, RolloutLimits
@@ -85,6 +85,9 @@ class RolloutConfig(_Strict):
     episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0)
     #: batch size of the embedded engine; 1 makes generation independent of request timing
     engine_max_batch_size: int = Field(MAX_BATCH_SIZE, ge=1)
+    #: the embedded engine's batching: "continuous" (requests join a running batch; text-only models, others
+    #: batch statically whatever this says) or "static" (one `generate` per batch, runs to its longest row)
+    engine_batching: Batching = "continuous"
 
     @model_validator(mode="after")
     def _engine_named(self) -> RolloutConfig:

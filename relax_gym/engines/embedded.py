@@ -34,9 +34,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -59,8 +59,12 @@ from relax_gym.engines.base import (
     RequestError,
     SamplingParams,
 )
-from relax_gym.engines.sampling import RowSampler
+from relax_gym.engines.continuous import RunningBatch, supports_continuous_batching
+from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, encode_media
+
+#: "continuous": requests join a running batch (text-only models); "static": one `generate` per batch
+Batching = Literal["continuous", "static"]
 
 #: requests decoded together by default (`rollout.engine_max_batch_size` reads it here)
 MAX_BATCH_SIZE = 64
@@ -97,12 +101,45 @@ class _Job:
         _resolve(self.loop, self.future, value)
 
 
+@dataclass(eq=False)
+class _Row:
+    """One request decoding in the running batch (continuous batching)."""
+
+    job: _Job
+    #: the weights it decodes with: updates wait for an empty batch, so it is the version it started on
+    version: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def window(self) -> int:
+        return stop_window(self.job.request.sampling)
+
+
 @dataclass
 class _Update:
     tensors: dict[str, torch.Tensor]
     version: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+
+def stop_window(params: SamplingParams) -> int:
+    """Enough trailing tokens to hold any of the row's stop strings, even one byte per token."""
+    return 4 * max(map(len, params.stop), default=0) + 4
+
+
+def finish_reason(ids: list[int], params: SamplingParams, *, stop_id: bool, aborted: bool,
+                  decode: Callable[[list[int]], str], window: int) -> FinishReason | None:
+    """Why a row with output `ids` (its newest token just added) ends now, or None if it goes on."""
+    if aborted:
+        return "abort"
+    if stop_id or (params.stop and any(s in decode(ids[-window:]) for s in params.stop)):
+        return "stop"
+    if len(ids) >= params.max_new_tokens:
+        return "length"
+    return None
 
 
 class _BatchDecoder(LogitsProcessor):
@@ -131,8 +168,7 @@ class _BatchDecoder(LogitsProcessor):
         self.stop_ids = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         for i, p in enumerate(params):
             self.stop_ids[i, sorted(eos | set(p.stop_token_ids))] = True
-        # Enough trailing tokens to hold any stop string, even one byte per token.
-        self.window = [4 * max(map(len, p.stop), default=0) + 4 for p in params]
+        self.window = [stop_window(p) for p in params]
         self.decode, self.aborted = decode, aborted
         self.output_ids: list[list[int]] = [[] for _ in params]
         self.logprobs: list[list[float]] = [[] for _ in params]
@@ -161,14 +197,8 @@ class _BatchDecoder(LogitsProcessor):
         return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)  # type: ignore[return-value]
 
     def _finish(self, i: int, stop_id: bool) -> FinishReason | None:
-        ids, params = self.output_ids[i], self.params[i]
-        if self.aborted(i):
-            return "abort"
-        if stop_id or (params.stop and any(s in self.decode(ids[-self.window[i] :]) for s in params.stop)):
-            return "stop"
-        if len(ids) >= params.max_new_tokens:
-            return "length"
-        return None
+        return finish_reason(self.output_ids[i], self.params[i], stop_id=stop_id, aborted=self.aborted(i),
+                             decode=self.decode, window=self.window[i])
 
 
 class _Stopper(StoppingCriteria):
@@ -191,9 +221,12 @@ class EmbeddedEngine:
         max_batch_size: int = MAX_BATCH_SIZE,
         seed: int = 0,
         batch_window_s: float = 0.005,
+        batching: Batching = "continuous",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         self.loaded = loaded
         self.model = loaded.model.eval()
         self.max_batch_size = max_batch_size
@@ -207,6 +240,10 @@ class EmbeddedEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._mm_token_types = (
             loaded.processor is not None and "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
+        )
+        #: whether requests join a running batch (`relax_gym.engines.continuous`): asked for, and the model allows
+        self.continuous = batching == "continuous" and supports_continuous_batching(
+            self.model, loaded.processor is not None
         )
         self._version = 0
         self._paused = False
@@ -410,6 +447,12 @@ class EmbeddedEngine:
             self._cond.wait_for(lambda: not self._busy or self._closed)
 
     def _loop(self) -> None:
+        if self.continuous:
+            self._loop_continuous()
+        else:
+            self._loop_static()
+
+    def _loop_static(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
@@ -441,9 +484,10 @@ class EmbeddedEngine:
                 if left <= 0 or not self._cond.wait(left):
                     return
 
-    def _take(self) -> list[_Job]:
+    def _take(self, limit: int | None = None) -> list[_Job]:
         jobs: list[_Job] = []
-        while self._jobs and len(jobs) < self.max_batch_size and not self._paused:
+        limit = self.max_batch_size if limit is None else limit
+        while self._jobs and len(jobs) < limit and not self._paused:
             job = self._jobs.popleft()
             if not job.future.cancelled():
                 jobs.append(job)
@@ -486,6 +530,103 @@ class EmbeddedEngine:
             return
         for job, output in zip(jobs, outputs, strict=True):
             job.resolve(output)
+
+    # --- continuous batching ---------------------------------------------------------------
+
+    def _loop_continuous(self) -> None:
+        """One running batch: queued requests join it every step, finished rows leave it at once.
+
+        Nothing joins while a weight update waits, so the running rows finish on the weights they
+        started with (each output has one version) and the update lands when the batch is empty,
+        as between static batches; a pause likewise lets the running rows finish.
+        """
+        batch = RunningBatch(self.model, self.pad_token_id)
+        rows: list[_Row] = []
+        while True:
+            update = None
+            with self._cond:
+                if not rows:
+                    self._busy = False
+                    self._cond.notify_all()
+                    self._cond.wait_for(self._has_work)
+                    if self._closed:
+                        break
+                    update = self._updates.popleft() if self._updates else None
+            if update is not None:
+                self._apply(update)
+                continue
+            if not rows:
+                self._coalesce()
+            with self._cond:
+                jobs = [] if self._updates or self._closed else self._take(self.max_batch_size - len(rows))
+                self._busy = bool(jobs or rows)
+            if jobs:
+                self._admit(batch, rows, jobs)
+            if rows:
+                self._advance(batch, rows)
+        self._drain()
+
+    def _admit(self, batch: RunningBatch, rows: list[_Row], jobs: list[_Job]) -> None:
+        """Prefills `jobs`, samples their first tokens and adds the rows that go on to `batch`; a prefill
+        that fails is retried one job at a time, so a bad request fails alone."""
+        try:
+            joining, logits = batch.prefill([job.request.input_ids for job in jobs])
+        except Exception as err:
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._admit(batch, rows, [job])
+                return
+            jobs[0].resolve(EngineError(f"generation failed for request {jobs[0].request.rid!r}: {err!r}"))
+            return
+        new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
+               for job in jobs]
+        going, tokens = self._sample(new, logits)
+        joining.keep(going)
+        joining.last = tokens[going]
+        rows += [new[i] for i in going]
+        batch.join(joining)
+
+    def _advance(self, batch: RunningBatch, rows: list[_Row]) -> None:
+        """One decode step of every running row; a step that fails ends them all with its error."""
+        try:
+            logits = batch.step()
+        except Exception as err:
+            for row in rows:
+                row.job.resolve(EngineError(f"generation failed for request {row.job.request.rid!r}: {err!r}"))
+            rows.clear()
+            batch.keep([])
+            return
+        going, tokens = self._sample(rows, logits)
+        batch.keep(going)
+        batch.last = tokens[going]
+        rows[:] = [rows[i] for i in going]
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Samples each row's next token, answers the rows that end; returns the rows that go on and all tokens."""
+        params = [row.job.request.sampling for row in rows]
+        sampler = RowSampler(params, device=self.device, generator=self._generator, never=self.placeholder_token_ids,
+                             row_generators=[row.generator for row in rows])
+        tokens, logprobs = sampler.sample(logits)
+        going: list[int] = []
+        for i, (row, token, logprob) in enumerate(zip(rows, *torch.stack([tokens.double(), logprobs.double()]).tolist(),
+                                                      strict=True)):
+            token = int(token)
+            row.output_ids.append(token)
+            row.logprobs.append(logprob)
+            job = row.job
+            reason = finish_reason(
+                row.output_ids, job.request.sampling, decode=self.loaded.decode, window=row.window,
+                stop_id=token in self.eos_token_ids or token in job.request.sampling.stop_token_ids,
+                aborted=self._closed or job.aborted or job.future.cancelled(),
+            )
+            if reason is None:
+                going.append(i)
+            else:
+                job.resolve(GenerateOutput(row.output_ids, row.logprobs, reason, row.version,
+                                           len(job.request.input_ids)))
+        return going, tokens
+
+    # --- static batching --------------------------------------------------------------------
 
     def _generate(self, jobs: list[_Job], version: int) -> list[GenerateOutput]:
         prompts = [job.request.input_ids for job in jobs]

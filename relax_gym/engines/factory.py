@@ -7,9 +7,12 @@ section satisfies), so building an engine needs nothing from the trainer package
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_gym.engines.base import Engine
+
+if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is the one made
+    from relax_gym.engines.embedded import Batching
 
 #: with `engine_urls`, how long one server's call waits out its outage, and how often it retries, before the
 #: router marks it down and re-sends the request to another server (the router's own wait, `rollout.
@@ -36,6 +39,9 @@ class EngineSettings(Protocol):
     @property
     def engine_max_batch_size(self) -> int: ...
 
+    @property
+    def engine_batching(self) -> Batching: ...
+
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0) -> Engine:
     """The engine `settings.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
@@ -56,4 +62,5 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0) -> Engi
                             max_connections=None)
     from relax_gym.engines.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(loaded, max_batch_size=settings.engine_max_batch_size, seed=seed)
+    return EmbeddedEngine(loaded, max_batch_size=settings.engine_max_batch_size, seed=seed,
+                          batching=settings.engine_batching)

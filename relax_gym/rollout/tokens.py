@@ -86,7 +86,7 @@ class PromptCache:
         for msg in messages:
             if set(msg) - {"role", "content"} or any(p["type"] != "text" for p in msg["content"]):
                 return None
-            parts.append((msg["role"], *(p["text"] for p in msg["content"])))
+            parts.append((msg["role"], *(p["text"] for p in msg["content"] if p["type"] == "text")))
         return tuple(parts), None if tools is None else json.dumps(tools, sort_keys=True, default=repr)
 
     def get(self, key: Hashable) -> tuple[str, list[int]] | None:

@@ -66,7 +66,7 @@ class EngineService:
 
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(load_policy(cfg), max_batch_size=cfg.rollout.engine_max_batch_size,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, batching=cfg.rollout.engine_batching)
         self.progress = Progress()
         self.fault = dict(fault or {})
         settle_heap()
