@@ -59,8 +59,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two training steps of the warm-start model, checkpointed after each; the trained weights, held in memory."""
     run_dir = tmp_path_factory.mktemp("checkpoint-models") / "run"
     cfg = load_config(None, [
-        f"run_dir={run_dir}", f"model={WARM_START}", "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1}}]",
-        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.temperature=0.5", "rollout.max_new_tokens=4",
+        # the warm start's task (sums), groups of 4: some group has mixed rewards, so the steps move the weights
+        f"run_dir={run_dir}", f"model={WARM_START}", "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1, ops: '+'}}]",
+        "rollout.group_size=4", "rollout.groups_per_step=4", "rollout.temperature=0.5", "rollout.max_new_tokens=4",
         "rollout.max_turns=1", "trainer.total_steps=2", "trainer.lr=1e-3", "trainer.checkpoint_every=1",
         "trainer.eval_every=0",
     ])

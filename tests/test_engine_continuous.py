@@ -120,3 +120,42 @@ def test_a_shared_prompt_is_prefilled_once_and_rows_leave_without_a_trace(chaoti
             assert (alone - logits[row]).abs().max() < 1e-4, row
     batch.keep([0, 2])  # the middle row leaves: the padding only it used goes
     assert batch.mask.shape == (2, 21) and bool(batch.mask[:, 0].any())
+
+
+@pytest.mark.timeout(60)
+def test_a_row_that_ends_on_its_first_token_never_joins(chaotic):
+    long = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=200))
+    one = GenerateRequest([8, 9], SamplingParams(temperature=0, max_new_tokens=1))
+
+    async def scenario() -> tuple[int, int, bool]:
+        engine = EmbeddedEngine(chaotic)
+        try:
+            running = asyncio.create_task(engine.generate(long))
+            await asyncio.sleep(0.05)
+            quick = await asyncio.wait_for(engine.generate(one), 10)
+            return len(quick.output_ids), len((await running).output_ids), await engine.health()
+        finally:
+            await engine.close()
+
+    assert asyncio.run(scenario()) == (1, 200, True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the worker's own traceback
+def test_a_failing_worker_answers_every_caller_and_reports_unhealthy(chaotic, monkeypatch):
+    from relax_gym.engines import EngineError
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug in the bookkeeping")
+
+    async def scenario() -> tuple[list, bool]:
+        engine = EmbeddedEngine(chaotic)
+        monkeypatch.setattr(engine, "_sample", broken)
+        calls = [engine.generate(GenerateRequest([5 + i, 6], SamplingParams(max_new_tokens=8))) for i in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        healthy = await engine.health()
+        await engine.close()
+        return results, healthy
+
+    results, healthy = asyncio.run(scenario())
+    assert all(isinstance(r, EngineError) and "worker failed" in str(r) for r in results) and not healthy

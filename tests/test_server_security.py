@@ -328,14 +328,28 @@ def test_a_full_queue_answers_503_with_retry_after(patient):
     _until(lambda: _pending(url) == 0, "the abandoned requests are still held")
 
 
-def test_health_generate_says_503_within_its_timeout_while_the_engine_is_busy(url):
+def test_health_generate_fits_its_probe_into_a_running_batch(url):
+    """Continuous batching: a busy engine still generates the probe's token, so it is healthy (as SGLang's
+    own `/health_generate` answers while the server makes progress)."""
     worker = threading.Thread(target=post, args=(f"{url}/generate",), kwargs={"json": LONG, "timeout": 60})
     worker.start()
     _until(lambda: _pending(url) == 1, "the long request did not arrive")
-    health = httpx.get(f"{url}/health_generate", timeout=30)
-    assert health.status_code == 503 and "health_timeout_s" in health.text
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # alive, only busy
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    assert _pending(url) == 1  # the long request runs on
     worker.join(60)
+
+
+def test_health_generate_says_503_within_its_timeout_when_no_token_comes():
+    """Static batching: the probe waits for the running batch, so past `health_timeout_s` the engine is not
+    healthy, and `/health` still says it is alive."""
+    with serving(_slowed(load_model("tiny")), limits=LIMITS, batching="static") as (url, _):
+        worker = threading.Thread(target=post, args=(f"{url}/generate",), kwargs={"json": LONG, "timeout": 60})
+        worker.start()
+        _until(lambda: _pending(url) == 1, "the long request did not arrive")
+        health = httpx.get(f"{url}/health_generate", timeout=30)
+        assert health.status_code == 503 and "health_timeout_s" in health.text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # alive, only busy
+        worker.join(60)
 
 
 # --- slow clients -------------------------------------------------------------------------------

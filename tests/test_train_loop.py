@@ -25,10 +25,11 @@ WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
 def config(tmp_path: Path, *overrides: str):
     base = [
         f"run_dir={tmp_path / 'run'}",
-        f"model={WARM_START}",  # answers right ~10% of the time, so some groups have non-zero advantages
-        "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1}}]",
+        # the warm start answers its sums right ~10% of the time, so some groups have non-zero advantages
+        f"model={WARM_START}",
+        "envs=[{id: relax/Arithmetic-v0, kwargs: {digits: 1, ops: '+'}}]",
         "rollout.group_size=4",
-        "rollout.groups_per_step=2",
+        "rollout.groups_per_step=4",
         "rollout.temperature=0.5",
         "rollout.max_new_tokens=4",
         "rollout.max_turns=1",
@@ -58,7 +59,7 @@ def test_a_short_run_leaves_metrics_checkpoints_tensorboard_and_a_plot(tmp_path)
     assert (run / "checkpoints" / "latest").read_text() == "3"
     assert any((run / "tensorboard").iterdir())
     trajs = (run / "trajectories.jsonl").read_text().splitlines()
-    assert len(trajs) == 3 * 2 * 4
+    assert len(trajs) == 3 * 4 * 4
     assert summary["steps"] == 3
 
 

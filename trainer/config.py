@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from relax_gym.cpu_threads import ThreadPlacement, check_cores
 from relax_gym.engines.base import SamplingParams
 from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching
 from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
@@ -129,6 +130,32 @@ class AlgorithmSection(AlgorithmConfig):
         return AlgorithmConfig.model_validate({k: getattr(self, k) for k in AlgorithmConfig.model_fields})
 
 
+class RoleThreads(_Strict):
+    """One in-process role's thread: the cores it may run on and its torch thread count (unset: as the process)."""
+
+    cores: list[int] | None = Field(None, min_length=1)
+    threads: int | None = Field(None, ge=1)
+
+    def placement(self) -> ThreadPlacement:
+        return ThreadPlacement(None if self.cores is None else tuple(self.cores), self.threads)
+
+
+class CpuSection(_Strict):
+    """`cpu:`: cores and torch threads per role of a one-process run (the embedded engine's worker thread and
+    the trainer's thread), so an async run's roles stop taking turns on the same cores."""
+
+    engine: RoleThreads = Field(default_factory=RoleThreads)
+    trainer: RoleThreads = Field(default_factory=RoleThreads)
+
+    @model_validator(mode="after")
+    def _cores_exist(self) -> CpuSection:
+        for role in ("engine", "trainer"):
+            cores = getattr(self, role).cores
+            if cores is not None:
+                check_cores(cores, f"cpu.{role}.cores")
+        return self
+
+
 class MegatronSection(_Strict):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -162,6 +189,7 @@ class TrainConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    cpu: CpuSection = Field(default_factory=CpuSection)
     #: roles as Ray actors; absent (the default), the run is one process and never imports Ray
     cluster: ClusterSection | None = None
 

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import shutil
 import signal
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,6 +51,8 @@ from relax_gym.trainer.config import TrainConfig
 from relax_gym.trainer.databus import DataBus, Group
 from relax_gym.trainer.distributed import DrivingBackend, follow, world
 from relax_gym.trainer.run_log import RunLog
+
+_T = TypeVar("_T")
 
 EVAL_SEED_OFFSET = 1_000_000_000  # held-out tasks never share a seed with training tasks
 TRAINABLE = ("completed", "truncated")
@@ -130,6 +134,9 @@ class Trainer:
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
         self.sampling = r.sampling_params()
+        #: the thread every backend call runs in, placed by `cpu.trainer` (the engine has its own)
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="relax-gym-trainer",
+                                                  initializer=cfg.cpu.trainer.placement().apply)
         self._build_roles()
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)
@@ -161,7 +168,7 @@ class Trainer:
         """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
         makes them Ray actors instead)."""
         cfg, r = self.cfg, self.cfg.rollout
-        self.engine = make_engine(self.loaded, r, seed=cfg.seed)
+        self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement())
         self.backend: TrainBackend = make_backend(cfg, self.loaded)
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)
@@ -239,6 +246,7 @@ class Trainer:
             self._unwatch()
             self.log.close(plot=True)
             await self._close_engine()
+            self._trainer_thread.shutdown(wait=False)
         summary = self.log.summary()
         summary.update(interrupted=interrupted, resumed_from=self.resumed_from, eval_failures=self.eval_failures)
         return summary
@@ -388,20 +396,20 @@ class Trainer:
         t0 = time.perf_counter()
         temperature = cfg.rollout.temperature
         if samples and cfg.algorithm.recompute_old_logprobs:
-            outs = await asyncio.to_thread(self.backend.logprobs, samples, temperature=temperature)
+            outs = await self._on_trainer_thread(self.backend.logprobs, samples, temperature=temperature)
             for s, o in zip(samples, outs, strict=True):
                 s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
         for frozen, attr in ((self.ref, "ref_logprobs"), (self.teacher, "teacher_logprobs")):
             if frozen is not None and samples:
-                outs = await asyncio.to_thread(frozen.logprobs, samples, temperature=temperature)
+                outs = await self._on_trainer_thread(frozen.logprobs, samples, temperature=temperature)
                 for s, o in zip(samples, outs, strict=True):
                     setattr(s, attr, o.logprobs.clone())
         timings["logprobs_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         train_metrics: dict[str, float] = {}
         if samples:
-            train_metrics = await asyncio.to_thread(self.backend.train_step, samples, self.loss_fn,
-                                                    temperature=temperature)
+            train_metrics = await self._on_trainer_thread(self.backend.train_step, samples, self.loss_fn,
+                                                          temperature=temperature)
         else:
             self.backend.version += 1  # nothing trainable this step: the policy version still advances
         timings["train_s"] = time.perf_counter() - t0
@@ -419,6 +427,11 @@ class Trainer:
             self._start_eval(self.step)
         self._stop_if_not_learning(trajs, bool(samples))
         await self._after_step()
+
+    async def _on_trainer_thread(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """`fn(*args, **kwargs)` in the trainer's own thread (see `cpu.trainer`), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
 
     async def _after_step(self) -> None:
         """Called after each step is logged and checkpointed (`ClusterTrainer` runs its `on_step` hook here)."""

@@ -105,6 +105,8 @@ class RunningBatch:
 
     def join(self, other: RunningBatch) -> None:
         """Appends `other`'s rows after these, left-padding the shorter cache to the longer one's length."""
+        if not len(other):
+            return
         if not len(self):
             self.cache, self.mask, self.positions, self.last = other.cache, other.mask, other.positions, other.last
             return

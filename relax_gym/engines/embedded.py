@@ -51,6 +51,7 @@ from transformers import (
 )
 from transformers.core_model_loading import revert_weight_conversion
 
+from relax_gym.cpu_threads import ThreadPlacement
 from relax_gym.engines.base import (
     EngineError,
     FinishReason,
@@ -222,6 +223,7 @@ class EmbeddedEngine:
         seed: int = 0,
         batch_window_s: float = 0.005,
         batching: Batching = "continuous",
+        placement: ThreadPlacement | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -250,9 +252,14 @@ class EmbeddedEngine:
         self._closed = False
         self._busy = False
         self._jobs: deque[_Job] = deque()
+        #: the running batch's rows under continuous batching, and the jobs joining it (the worker's own, read
+        #: after it fails)
+        self._rows: list[_Row] = []
+        self._admitting: list[_Job] = []
         self._updates: deque[_Update] = deque()
         self._cond = threading.Condition()
         self._processor_lock = threading.Lock()
+        self._placement = placement or ThreadPlacement()
         self._worker = threading.Thread(target=self._loop, name="relax-gym-embedded-engine", daemon=True)
         self._worker.start()
 
@@ -447,10 +454,25 @@ class EmbeddedEngine:
             self._cond.wait_for(lambda: not self._busy or self._closed)
 
     def _loop(self) -> None:
-        if self.continuous:
-            self._loop_continuous()
-        else:
-            self._loop_static()
+        self._placement.apply()
+        try:
+            if self.continuous:
+                self._loop_continuous()
+            else:
+                self._loop_static()
+        except Exception as err:  # a bug in the worker itself: every caller hears of it, none is left waiting
+            failure = EngineError(f"the embedded engine's worker failed: {err!r}")
+            with self._cond:
+                self._closed = True
+                jobs = [*self._admitting, *(row.job for row in self._rows), *self._jobs]
+                self._admitting.clear()
+                self._rows.clear()
+                self._jobs.clear()
+                self._cond.notify_all()
+            for job in jobs:
+                job.resolve(failure)
+            self._drain()
+            raise
 
     def _loop_static(self) -> None:
         while True:
@@ -541,7 +563,7 @@ class EmbeddedEngine:
         as between static batches; a pause likewise lets the running rows finish.
         """
         batch = RunningBatch(self.model, self.pad_token_id)
-        rows: list[_Row] = []
+        rows = self._rows
         while True:
             update = None
             with self._cond:
@@ -561,7 +583,9 @@ class EmbeddedEngine:
                 jobs = [] if self._updates or self._closed else self._take(self.max_batch_size - len(rows))
                 self._busy = bool(jobs or rows)
             if jobs:
+                self._admitting[:] = jobs
                 self._admit(batch, rows, jobs)
+                self._admitting.clear()
             if rows:
                 self._advance(batch, rows)
         self._drain()
@@ -581,10 +605,11 @@ class EmbeddedEngine:
         new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
                for job in jobs]
         going, tokens = self._sample(new, logits)
-        joining.keep(going)
-        joining.last = tokens[going]
-        rows += [new[i] for i in going]
-        batch.join(joining)
+        if going:  # rows that ended on their first token never join
+            joining.keep(going)
+            joining.last = tokens[going]
+            rows += [new[i] for i in going]
+            batch.join(joining)
 
     def _advance(self, batch: RunningBatch, rows: list[_Row]) -> None:
         """One decode step of every running row; a step that fails ends them all with its error."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from relax_gym.engines.base import Engine
 
 if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is the one made
+    from relax_gym.cpu_threads import ThreadPlacement
     from relax_gym.engines.embedded import Batching
 
 #: with `engine_urls`, how long one server's call waits out its outage, and how often it retries, before the
@@ -43,11 +44,12 @@ class EngineSettings(Protocol):
     def engine_batching(self) -> Batching: ...
 
 
-def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0) -> Engine:
+def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
+                placement: ThreadPlacement | None = None) -> Engine:
     """The engine `settings.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
     is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
-    engine over `loaded`."""
+    engine over `loaded` (its worker thread placed by `placement`)."""
     if settings.engine == "sglang" and settings.engine_urls:
         from relax_gym.engines.router import EngineRouter
         from relax_gym.engines.sglang import SGLangEngine
@@ -63,4 +65,4 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0) -> Engi
     from relax_gym.engines.embedded import EmbeddedEngine
 
     return EmbeddedEngine(loaded, max_batch_size=settings.engine_max_batch_size, seed=seed,
-                          batching=settings.engine_batching)
+                          batching=settings.engine_batching, placement=placement)

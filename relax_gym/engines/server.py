@@ -508,7 +508,9 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.get("/health_generate")
     async def health_generate() -> PlainTextResponse:
-        """One token within `health_timeout_s`, else 503: a busy (or stuck) engine is not healthy."""
+        """One token within `health_timeout_s`, else 503: a stuck engine is not healthy. Under continuous
+        batching the probe joins a running batch, so a busy engine that makes progress is healthy, as SGLang's
+        own route answers; under static batching it waits for the batch."""
         if engine.paused:
             return PlainTextResponse("generation is paused", status_code=503)
         probe = GenerateRequest([engine.pad_token_id], SamplingParams(temperature=0, max_new_tokens=1))

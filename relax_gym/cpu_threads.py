@@ -1,0 +1,46 @@
+"""Which cores a role's thread runs on, and how many torch threads it uses.
+
+In one process the embedded engine and the trainer each run their torch code in a thread of their own.
+Left alone, both spread over every core with torch's default thread count, and on a small machine
+they take turns on the same cores, so an async run overlaps little. Pinned, each role keeps its
+cores: with two cores, one each, an async step approaches max(rollout, train) instead of their sum.
+
+Linux applies `sched_setaffinity(0, ...)` to the calling thread only, and threads it starts later
+(torch's OpenMP workers) inherit it; `torch.set_num_threads` sets the calling thread's OpenMP
+thread count, and torch starts threads created after that call with the same count. So
+`ThreadPlacement.apply` runs first thing in the role's own thread, and a role whose `threads` is
+unset gets whatever count torch holds when its thread starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["ThreadPlacement", "check_cores"]
+
+
+def check_cores(cores: Sequence[int], where: str) -> None:
+    """Raises ValueError naming `where` when a core is not one this process may run on."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - allowed)
+    if missing:
+        raise ValueError(f"{where}: cores {missing} are not among this process's cores {sorted(allowed)}")
+
+
+@dataclass(frozen=True)
+class ThreadPlacement:
+    """Cores and torch thread count for one role's thread; None leaves that setting as the process has it."""
+
+    cores: tuple[int, ...] | None = None
+    threads: int | None = None
+
+    def apply(self) -> None:
+        """Pins the calling thread; call it from the thread that will run the role's torch code."""
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
