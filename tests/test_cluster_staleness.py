@@ -19,7 +19,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster_support import config, engine_with_latency, events, records, train_cluster  # noqa: E402
+from cluster_support import (  # noqa: E402
+    GROUPS_PER_STEP,
+    config,
+    engine_with_latency,
+    events,
+    records,
+    train_cluster,
+)
 
 from relax_gym.errors import RunStopped  # noqa: E402
 from relax_gym.trainer.cluster import fleet as fleet_module  # noqa: E402
@@ -29,7 +36,6 @@ from relax_gym.trainer.databus import Group  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-GROUPS_PER_STEP = 2
 #: no checkpoint but the last one's: the runs here are about rollouts, not resuming
 CHEAP = ["cluster.rollout_workers.count=1", "trainer.checkpoint_every=100"]
 
