@@ -100,7 +100,7 @@ def run_relax(seed: int, steps: int, out: Path, mode: str = "sync", overrides: t
     from relax_gym.trainer.config import load_config
     from relax_gym.trainer.loop import Trainer
 
-    run_dir = out.parent / f"relax_seed{seed}_run"
+    run_dir = out.parent / f"{out.stem}_run"
     if run_dir.exists():
         import shutil
 
@@ -312,16 +312,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def launch(
-    python: str, framework: str, seed: int, steps: int, cores: list[int], extra: tuple[str, ...] = ()
+    python: str, framework: str, seed: int, steps: int, cores: list[int], extra: tuple[str, ...] = (),
+    name: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
-    """A worker process pinned to `cores`, one torch / OMP / MKL thread per core."""
-    path = OUT / f"{framework}_seed{seed}.jsonl"
+    """A worker process pinned to `cores`, one torch / OMP / MKL thread per core; its files are named `name`
+    (default: the framework)."""
+    name = name or framework
+    path = OUT / f"{name}_seed{seed}.jsonl"
     path.unlink(missing_ok=True)
     path.with_suffix(".floors.json").unlink(missing_ok=True)
     threads = str(len(cores))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "PYTHONHASHSEED": str(seed)}
-    log = open(OUT / f"{framework}_seed{seed}.log", "w")  # noqa: SIM115 (closed with the process)
+    log = open(OUT / f"{name}_seed{seed}.log", "w")  # noqa: SIM115 (closed with the process)
     cmd = [python, str(Path(__file__).resolve()), "--worker", framework, "--seed", str(seed), "--steps", str(steps),
            "--pin", *map(str, cores), "--out", str(path), *extra]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), path
@@ -406,15 +409,24 @@ def main() -> None:
             ended = wait_all(procs, seed)
         else:  # both cores to each side in turn: there are only two
             procs, ended = {}, {}
-            for name, python, extra in (("relax", args.relax_python, relax_extra),
-                                        ("trl", args.trl_python, trl_extra)):
-                procs[name] = launch(python, name, seed, steps, sorted(set(args.cores)), extra)
+            # relax-gym sync on the same placement: T_rollout and T_train without overlap, for async's efficiency,
+            # and the reward async must match
+            sync_extra = ("--mode", "sync", *relax_extra[2:])
+            for name, framework, python, extra in (("relax", "relax", args.relax_python, relax_extra),
+                                                   ("relax_sync", "relax", args.relax_python, sync_extra),
+                                                   ("trl", "trl", args.trl_python, trl_extra)):
+                procs[name] = launch(python, framework, seed, steps, sorted(set(args.cores)), extra, name=name)
                 ended |= wait_all({name: procs[name]}, seed)
         print(f"seed {seed}: " + ", ".join(f"{k} process {v:.1f} s" for k, v in ended.items()), flush=True)
         for name, (_, path) in procs.items():
             rows = [json.loads(x) for x in path.read_text().splitlines()]
             summary["runs"][f"{name}_seed{seed}"] = {**summarize(rows), "process_wall_s": ended[name]}
         relax = summary["runs"][f"relax_seed{seed}"]
+        if not together:
+            sync = summary["runs"][f"relax_sync_seed{seed}"]["phases"]
+            t_rollout, t_train = sync["wait_rollout_s"], sync["logprobs_s"] + sync["train_s"] + sync["weight_sync_s"]
+            relax["efficiency"] = {"t_rollout_s": t_rollout, "t_train_s": t_train, "t_step_s": relax["s_per_step"],
+                                   "efficiency": max(t_rollout, t_train) / relax["s_per_step"]}
         floors_path = procs["relax"][1].with_suffix(".floors.json")
         relax["floors"] = json.loads(floors_path.read_text())
         relax["vs_floor"] = {
@@ -428,10 +440,11 @@ def main() -> None:
     print(f"runs: {setup}")
     print("| seed | framework | s/step | t to 0.3 (step) | t to 0.4 (step) | final rolling reward | process s |")
     print("|---|---|---:|---:|---:|---:|---:|")
+    labels = {"relax": f"relax-gym {mode}", "relax_sync": "relax-gym sync", "trl": "TRL"}
     for seed in seeds:
-        for name in ("relax", "trl"):
+        for name in [n for n in labels if f"{n}_seed{seed}" in summary["runs"]]:
             s = summary["runs"][f"{name}_seed{seed}"]
-            print(f"| {seed} | {'relax-gym' if name == 'relax' else 'TRL'} | {s['s_per_step']:.3f} | "
+            print(f"| {seed} | {labels[name]} | {s['s_per_step']:.3f} | "
                   f"{fmt(s['t_to_0.3'])} s ({fmt(s['step_to_0.3'], 'd')}) | "
                   f"{fmt(s['t_to_0.4'])} s ({fmt(s['step_to_0.4'], 'd')}) | {s['final_rolling_reward']:.3f} | "
                   f"{s['process_wall_s']:.1f} |")
@@ -448,6 +461,15 @@ def main() -> None:
     for seed in seeds:
         p = summary["runs"][f"relax_seed{seed}"]["phases"]
         print(f"  seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()))
+    if not together:
+        print("\nrelax-gym async efficiency max(T_rollout, T_train) / T_step (T_rollout, T_train: the sync run's "
+              "wait_rollout_s and logprobs_s + train_s + weight_sync_s, same placement):")
+        print("| seed | T_rollout s | T_train s | T_step async s | efficiency |")
+        print("|---|---:|---:|---:|---:|")
+        for seed in seeds:
+            e = summary["runs"][f"relax_seed{seed}"]["efficiency"]
+            print(f"| {seed} | {e['t_rollout_s']:.3f} | {e['t_train_s']:.3f} | {e['t_step_s']:.3f} | "
+                  f"{e['efficiency']:.2f} |")
     print("\nrelax-gym phases against plain-HF floors on the same cores (mean s per steady step; floor: median):")
     print("| seed | phase | relax-gym s | floor | floor s | x floor |")
     print("|---|---|---:|---|---:|---:|")

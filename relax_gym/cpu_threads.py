@@ -22,11 +22,12 @@ __all__ = ["ThreadPlacement", "check_cores"]
 
 
 def check_cores(cores: Sequence[int], where: str) -> None:
-    """Raises ValueError naming `where` when a core is not one this process may run on."""
-    allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cores) - allowed)
+    """Raises ValueError naming `where` when a core is not one of this machine's (the calling thread's own
+    affinity may already be narrower: the process's main thread can be pinned to the rollout's core)."""
+    count = os.cpu_count() or 1
+    missing = sorted(c for c in set(cores) if not 0 <= c < count)
     if missing:
-        raise ValueError(f"{where}: cores {missing} are not among this process's cores {sorted(allowed)}")
+        raise ValueError(f"{where}: cores {missing} do not exist on this machine (cores 0..{count - 1})")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ class ThreadPlacement:
     def apply(self) -> None:
         """Pins the calling thread; call it from the thread that will run the role's torch code."""
         if self.cores:
-            os.sched_setaffinity(0, self.cores)
+            try:
+                os.sched_setaffinity(0, self.cores)
+            except OSError as err:  # a core outside this process's cpuset (a container's limit)
+                raise ValueError(f"cannot run on cores {list(self.cores)}: {err}") from err
         if self.threads:
             import torch
 

@@ -393,3 +393,12 @@ def test_resumed_run_reproduces_the_next_step_exactly(name, tmp_path):
     assert got["loss"] == expected["loss"] and got["grad_norm"] == expected["grad_norm"]
     theirs = uninterrupted.model.state_dict()
     assert all(torch.equal(t, theirs[k]) for k, t in resumed.model.state_dict().items())
+
+
+def test_pad_rows_places_lists_and_tensors_and_refuses_a_row_wider_than_the_batch():
+    from relax_gym.trainer.backends.base import pad_rows
+
+    assert pad_rows([[1, 2], torch.tensor([3]), []], 3, dtype=torch.long).tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0]]
+    assert pad_rows([torch.tensor([0.5, 1.5])], 4).tolist() == [[0.5, 1.5, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_rows([[1, 2, 3]], 2)

@@ -1,13 +1,16 @@
 """The embedded engine: a transformers model in-process, batching concurrent requests.
 
-One worker thread owns the model. `generate()` calls queue jobs; the worker
-takes everything pending (up to `max_batch_size`, after a short coalescing
-window) and runs it as one left-padded `model.generate` call, so the event loop
-never runs torch code and concurrent episodes share forward passes. Batching is
-static: a batch runs until its last row stops, and requests arriving meanwhile
-form the next batch.
+One worker thread owns the model. `generate()` calls queue jobs, so the event
+loop never runs torch code and concurrent episodes share forward passes. Text
+models batch continuously (`relax_gym.engines.continuous`): each step, queued
+requests (up to `max_batch_size` rows in all) are prefilled and join the running
+batch, and rows leave it as they stop. Models with a processor, and
+`batching="static"`, batch statically: the worker takes everything pending
+(after a short coalescing window) and runs it as one left-padded
+`model.generate` call, which runs until its last row stops while requests
+arriving meanwhile form the next batch.
 
-`model.generate` keeps the model-specific work (KV cache, Qwen-VL's M-RoPE
+Statically, `model.generate` keeps the model-specific work (KV cache, Qwen-VL's M-RoPE
 positions under left padding, splicing image / audio features in at prefill);
 per-row sampling (`relax_gym.engines.sampling`) and stopping live in `_BatchDecoder`, which samples
 from the raw logits captured by a forward hook, so no processor `generate` adds from a
@@ -19,8 +22,11 @@ trajectory then fails ("Image features and image tokens do not match", a known
 crash of RL stacks whose engines allow it). Like top-k / top-p, this shapes
 only the choice; logprobs stay log softmax(logits / T) over the full vocabulary.
 
-The worker applies weight updates between batches; being the only thread that
-touches the model, it needs no lock around it.
+The worker applies weight updates between batches (under continuous batching,
+once the running rows have finished, admitting none meanwhile), so each output
+comes from one version; being the only thread that touches the model, it needs
+no lock around it. Both paths sample with the same `RowSampler`, so a seeded
+request gets the same tokens either way.
 """
 
 from __future__ import annotations

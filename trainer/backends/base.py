@@ -83,10 +83,18 @@ def check_samples(samples: Sequence[Sample], temperature: float) -> None:
 def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str | None = None) -> torch.Tensor:
     """Per-token rows (lists or 1-D tensors) right-padded with 0 to [len(rows), width]; built on the CPU and moved
-    once."""
+    once. The rows are joined into one tensor and placed by one masked write: a copy per row held the GIL for
+    most of a small model's step (see `cpu_threads`)."""
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    if lengths.numel() and int(lengths.max()) > width:
+        raise ValueError(f"a row of {int(lengths.max())} values does not fit in width {width}")
+    if all(isinstance(row, torch.Tensor) for row in rows):
+        flat = torch.cat([torch.as_tensor(row).reshape(-1).to(dtype) for row in rows]) if rows else torch.zeros(0)
+    else:
+        flat = torch.tensor([x for row in rows for x in (row.tolist() if isinstance(row, torch.Tensor) else row)],
+                            dtype=dtype)
     out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    out[torch.arange(width) < lengths[:, None]] = flat.to(dtype)
     return out.to(device) if device is not None else out
 
 
