@@ -30,12 +30,17 @@ from transformers.cache_utils import DynamicLayer
 __all__ = ["RunningBatch", "supports_continuous_batching"]
 
 
+def cache_argument(model: PreTrainedModel) -> str | None:
+    """The name `model.forward` takes its KV cache by: `cache` since transformers 5.24, `past_key_values` before."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
 def supports_continuous_batching(model: PreTrainedModel, has_processor: bool) -> bool:
     """Whether `model` can decode in a `RunningBatch`: text only, explicit positions, full-attention cache."""
-    if has_processor:
+    if has_processor or cache_argument(model) is None:
         return False
-    params = inspect.signature(model.forward).parameters
-    if not {"position_ids", "past_key_values", "logits_to_keep"} <= set(params):
+    if not {"position_ids", "logits_to_keep"} <= set(inspect.signature(model.forward).parameters):
         return False
     cache = DynamicCache(config=model.config)
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
@@ -73,6 +78,7 @@ class RunningBatch:
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
+        self._cache_argument = cache_argument(model) or "past_key_values"
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -96,7 +102,7 @@ class RunningBatch:
         ids, mask = ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+                            use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1].float()
         batch = RunningBatch(self.model, self.pad_token_id)
         batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
         if len(unique) < len(prompts):
@@ -124,8 +130,8 @@ class RunningBatch:
         """Feeds every row its `last` token; returns next-token logits [B, V] in fp32."""
         self.mask = F.pad(self.mask, (0, 1), value=1)
         logits = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
-                            position_ids=self.positions[:, None], past_key_values=self.cache,
-                            use_cache=True).logits[:, -1].float()
+                            position_ids=self.positions[:, None], use_cache=True,
+                            **{self._cache_argument: self.cache}).logits[:, -1].float()
         self.positions = self.positions + 1
         return logits
 
