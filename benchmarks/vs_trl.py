@@ -388,15 +388,19 @@ def main() -> None:
                  "1 torch thread each; relax-gym sync")
     else:
         setup = (f"one after the other (2 cores on this machine), each alone on cores {set(args.cores)} with 2 torch "
-                 "threads; relax-gym async, max_staleness 1, engine thread on one core and trainer thread on the other")
+                 "threads; relax-gym async, max_staleness 1, engine thread on one core and the trainer's own "
+                 "process on the other")
     print(f"vs_trl: {setup}", flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"steps": steps, "seeds": seeds, "argv": sys.argv[1:], "cores_each": args.cores_each,
                                "relax_mode": mode, "setup": setup, "runs": {}}
     # two cores: relax-gym's engine thread gets one and its trainer thread the other (`cpu:`), so the async
     # step overlaps rollout and training instead of both spreading over both cores
+    # and the trainer runs in a process of its own (`trainer.own_process`), so its Python does not wait on the
+    # rollout's for the GIL
     roles = () if together else (f"cpu.engine.cores=[{args.cores[0]}]", "cpu.engine.threads=1",
-                                 f"cpu.trainer.cores=[{args.cores[1]}]", "cpu.trainer.threads=1")
+                                 f"cpu.trainer.cores=[{args.cores[1]}]", "cpu.trainer.threads=1",
+                                 "trainer.own_process=true")
     overrides = (*roles, *args.relax_overrides)
     relax_extra = ("--mode", mode, *(("--relax-overrides", *overrides) if overrides else ()))
     trl_extra = ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()

@@ -42,6 +42,7 @@ defines it and, in brackets, a shorter path that re-exports it
         EpisodeOverError            relax_gym.core [relax_gym]
         PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
+          TrainerProcessError       relax_gym.trainer.backends.process  (trainer.own_process: the child died)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
           SandboxUnavailableError   relax_gym.sandbox.result [relax_gym.sandbox]
         TrainerLost                 relax_gym.trainer.cluster.ray_handles  (the controller restarts the trainer)

@@ -178,6 +178,9 @@ class TrainerSection(_Strict):
     max_steps_without_samples: int = Field(3, ge=1)
     #: auto: continue from run_dir's latest checkpoint, saying so; never: refuse a run_dir that has one
     resume: Literal["auto", "never"] = "auto"
+    #: run the backend in a child process of its own (`trainer.backends.process`): its Python then runs beside
+    #: the rollout's instead of sharing one GIL with it, which an async run of a small model needs to overlap
+    own_process: bool = False
     megatron: MegatronSection = Field(default_factory=MegatronSection)
 
 
@@ -204,6 +207,9 @@ class TrainConfig(_Strict):
         if self.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 is greedy decoding, which cannot be trained on (the trainer "
                              "takes logprobs at the rollout temperature); use rollout.temperature > 0")
+        if self.trainer.own_process and self.cluster is not None:
+            raise ValueError("trainer.own_process with a cluster: section: a cluster run's trainer is already a "
+                             "process of its own (a Ray actor); drop trainer.own_process")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
         if self.cluster is not None and self.cluster.trainer.world_size > 1 and self.trainer.backend != "megatron":

@@ -169,7 +169,13 @@ class Trainer:
         makes them Ray actors instead)."""
         cfg, r = self.cfg, self.cfg.rollout
         self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement())
-        self.backend: TrainBackend = make_backend(cfg, self.loaded)
+        self.backend: TrainBackend
+        if cfg.trainer.own_process:
+            from relax_gym.trainer.backends.process import ProcessBackend
+
+            self.backend = ProcessBackend(cfg, cfg.cpu.trainer.placement())
+        else:
+            self.backend = make_backend(cfg, self.loaded)
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)
         self.manager = RolloutManager(self.engine, self.loaded, sampling=self.sampling, limits=r.limits(),
@@ -303,6 +309,9 @@ class Trainer:
         await self.engine.close()
         if isinstance(self.backend, DrivingBackend):
             self.backend.stop()
+        close = getattr(self.backend, "close", None)
+        if close is not None:  # a backend in a process of its own stops it
+            close()
 
     def _keep(self, group: Group) -> bool:
         if not self.algo.filter_uniform_groups:
@@ -572,6 +581,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from relax_gym.trainer.cluster.run import ClusterTrainer
 
         return asyncio.run(ClusterTrainer(cfg).run())
+    if size > 1 and cfg.trainer.own_process:
+        raise StartupError("trainer.own_process runs the backend in a child process, which cannot be a torchrun "
+                           "rank: drop it under torchrun")
     if size > 1 and cfg.trainer.backend != "megatron":
         raise ValueError("only trainer.backend=megatron runs under torchrun; the torch backend is one process")
     if rank == 0:

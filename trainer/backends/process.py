@@ -1,0 +1,157 @@
+"""`ProcessBackend`: the training backend in a child process of its own (`trainer.own_process: true`).
+
+In one process the trainer, the embedded engine and the rollout manager share one GIL. With a small
+model every role is mostly Python, so an async run on two cores cannot overlap them: measured on the
+quickstart's setting, the trainer's step grew by a third while the engine and the event loop ran
+beside it (benchmarks/RESULTS.md). A child process has its own interpreter, so the trainer's Python
+runs beside the rollout's instead of taking turns with it.
+
+The child is spawned (no fork of a process that holds threads and torch state), so a script that
+starts a run must guard its entry point with `if __name__ == "__main__":`, as for any spawned
+worker (the `relax-gym` command does). It builds the same
+backend `make_backend` builds, placed on `cpu.trainer`'s cores, and answers the `TrainBackend` calls
+sent over a pipe, one at a time. Arguments and results travel by cloudpickle (a loss function may be a
+closure); tensors by value. An exception in the child is re-raised here as itself, with the child's
+traceback in its notes; a child that dies ends the call with `TrainerProcessError`, naming its exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch
+
+from relax_gym.cpu_threads import ThreadPlacement
+from relax_gym.errors import RunStopped
+from relax_gym.trainer.backends.base import LogprobOutput
+from relax_gym.trainer.batch import LossFn, Sample
+
+__all__ = ["ProcessBackend", "TrainerProcessError"]
+
+
+class TrainerProcessError(RunStopped):
+    """The trainer's child process died: the run stops, keeping its checkpoints, and resumes when rerun."""
+
+#: how often a waiting call checks that the child is still alive
+POLL_S = 1.0
+
+
+def _serve(conn: Connection, cfg_json: str, placement: ThreadPlacement) -> None:
+    """The child: builds the backend, then answers (method, args, kwargs) until told to stop."""
+    placement.apply()
+    from relax_gym.trainer.config import TrainConfig
+    from relax_gym.trainer.loop import load_policy, make_backend
+
+    try:
+        cfg = TrainConfig.model_validate_json(cfg_json)
+        backend = make_backend(cfg, load_policy(cfg))
+    except BaseException as err:  # the parent hears why the child could not start
+        conn.send_bytes(cloudpickle.dumps((False, _with_trace(err))))
+        return
+    conn.send_bytes(cloudpickle.dumps((True, backend.version)))
+    while True:
+        method, args, kwargs = cloudpickle.loads(conn.recv_bytes())
+        if method == "stop":
+            return
+        try:
+            if method == "set_version":
+                backend.version = args[0]
+                result: Any = None
+            else:
+                result = getattr(backend, method)(*args, **kwargs)
+            reply: tuple[bool, Any] = (True, (result, backend.version))
+        except BaseException as err:
+            reply = (False, _with_trace(err))
+        conn.send_bytes(cloudpickle.dumps(reply))
+
+
+def _with_trace(err: BaseException) -> BaseException:
+    """`err` carrying the child's traceback as a note (tracebacks do not cross processes)."""
+    err.add_note("in the trainer process:\n" + "".join(traceback.format_exception(err)).rstrip())
+    return err
+
+
+class ProcessBackend:
+    """`TrainBackend` over the backend `make_backend(cfg, ...)` builds, run in a spawned child process."""
+
+    def __init__(self, cfg: Any, placement: ThreadPlacement | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, cfg.model_dump_json(), placement or ThreadPlacement()),
+                                    name="relax-gym-trainer", daemon=True)
+        self._process.start()
+        child.close()
+        ok, value = self._receive("start")
+        if not ok:
+            self._process.join(10)
+            raise value
+        self._version: int = value
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._call("set_version", value)
+        self._version = value
+
+    def _died(self, method: str) -> TrainerProcessError:
+        self._process.join(5)  # reaped, so its exit code is known
+        return TrainerProcessError(f"the trainer process died (exit code {self._process.exitcode}) during {method}; "
+                                   "the run keeps its checkpoints and resumes from the last one when rerun")
+
+    def _receive(self, method: str) -> tuple[bool, Any]:
+        try:
+            while not self._conn.poll(POLL_S):
+                if not self._process.is_alive():
+                    raise self._died(method)
+            return cloudpickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._died(method) from None
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self._conn.send_bytes(cloudpickle.dumps((method, args, kwargs)))
+        except OSError:  # the pipe broke: the child is gone
+            raise self._died(method) from None
+        ok, value = self._receive(method)
+        if not ok:
+            raise value
+        result, self._version = value
+        return result
+
+    # --- TrainBackend ---------------------------------------------------------------------------
+
+    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> list[LogprobOutput]:
+        return self._call("logprobs", samples, temperature=temperature, with_entropy=with_entropy)
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+        return self._call("train_step", samples, loss_fn, temperature=temperature)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._call("hf_state_dict")
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
+        self._call("save_checkpoint", path, extra)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return self._call("load_checkpoint", path)
+
+    def close(self) -> None:
+        """Stops the child (it finishes the call it is in first); a child that does not stop is killed."""
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # the child went away in between
+                self._conn.send_bytes(cloudpickle.dumps(("stop", (), {})))
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        self._conn.close()
