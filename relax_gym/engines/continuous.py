@@ -19,20 +19,28 @@ prefill, Qwen-VL's M-RoPE positions) or sliding-window layers keep static batchi
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["RunningBatch", "supports_continuous_batching"]
+__all__ = ["RunningBatch", "left_padded", "supports_continuous_batching"]
+
+
+@functools.cache
+def _parameters(function: Callable[..., Any]) -> frozenset[str]:
+    """A function's parameter names, read once per function (a model class's `forward`)."""
+    return frozenset(inspect.signature(function).parameters)
 
 
 def cache_argument(model: PreTrainedModel) -> str | None:
     """The name `model.forward` takes its KV cache by: `cache` since transformers 5.24, `past_key_values` before."""
-    params = inspect.signature(model.forward).parameters
+    params = _parameters(type(model).forward)
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
@@ -40,10 +48,21 @@ def supports_continuous_batching(model: PreTrainedModel, has_processor: bool) ->
     """Whether `model` can decode in a `RunningBatch`: text only, explicit positions, full-attention cache."""
     if has_processor or cache_argument(model) is None:
         return False
-    if not {"position_ids", "logits_to_keep"} <= set(inspect.signature(model.forward).parameters):
+    if not {"position_ids", "logits_to_keep"} <= _parameters(type(model).forward):
         return False
     cache = DynamicCache(config=model.config)
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] token ids of `prompts` left-padded with `pad_token_id`, and their attention mask, on the CPU."""
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, longest - len(prompt):] = torch.tensor(prompt)
+        mask[i, longest - len(prompt):] = 1
+    return ids, mask
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
@@ -93,21 +112,17 @@ class RunningBatch:
         caller to set once it has sampled. Identical prompts run once and share their cache rows."""
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        longest = max(map(len, unique))
-        ids = torch.full((len(unique), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(unique):
-            ids[i, longest - len(prompt):] = torch.tensor(prompt)
-            mask[i, longest - len(prompt):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = (t.to(self.device) for t in left_padded(list(unique), self.pad_token_id))
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1].float()
         batch = RunningBatch(self.model, self.pad_token_id)
         batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
-        if len(unique) < len(prompts):
-            batch._select(torch.tensor(rows, device=self.device))
-        return batch, logits[rows] if len(unique) < len(prompts) else logits
+        if len(unique) < len(prompts):  # shared prompts: each row takes its prompt's cache row and logits
+            index = torch.tensor(rows, device=self.device)
+            batch._select(index)
+            logits = logits[index]
+        return batch, logits
 
     def join(self, other: RunningBatch) -> None:
         """Appends `other`'s rows after these, left-padding the shorter cache to the longer one's length."""

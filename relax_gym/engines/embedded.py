@@ -66,7 +66,7 @@ from relax_gym.engines.base import (
     RequestError,
     SamplingParams,
 )
-from relax_gym.engines.continuous import RunningBatch, supports_continuous_batching
+from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, encode_media
 
@@ -119,10 +119,6 @@ class _Row:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
-    @property
-    def window(self) -> int:
-        return stop_window(self.job.request.sampling)
-
 
 @dataclass
 class _Update:
@@ -132,18 +128,18 @@ class _Update:
     loop: asyncio.AbstractEventLoop
 
 
-def stop_window(params: SamplingParams) -> int:
-    """Enough trailing tokens to hold any of the row's stop strings, even one byte per token."""
-    return 4 * max(map(len, params.stop), default=0) + 4
-
-
 def finish_reason(ids: list[int], params: SamplingParams, *, stop_id: bool, aborted: bool,
-                  decode: Callable[[list[int]], str], window: int) -> FinishReason | None:
-    """Why a row with output `ids` (its newest token just added) ends now, or None if it goes on."""
+                  decode: Callable[[list[int]], str]) -> FinishReason | None:
+    """Why a row with output `ids` (its newest token just added) ends now, or None if it goes on. Stop strings
+    are looked for in enough trailing tokens to hold any of them, even at one byte per token."""
     if aborted:
         return "abort"
-    if stop_id or (params.stop and any(s in decode(ids[-window:]) for s in params.stop)):
+    if stop_id:
         return "stop"
+    if params.stop:
+        window = 4 * max(map(len, params.stop)) + 4
+        if any(s in decode(ids[-window:]) for s in params.stop):
+            return "stop"
     if len(ids) >= params.max_new_tokens:
         return "length"
     return None
@@ -175,7 +171,6 @@ class _BatchDecoder(LogitsProcessor):
         self.stop_ids = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         for i, p in enumerate(params):
             self.stop_ids[i, sorted(eos | set(p.stop_token_ids))] = True
-        self.window = [stop_window(p) for p in params]
         self.decode, self.aborted = decode, aborted
         self.output_ids: list[list[int]] = [[] for _ in params]
         self.logprobs: list[list[float]] = [[] for _ in params]
@@ -205,7 +200,7 @@ class _BatchDecoder(LogitsProcessor):
 
     def _finish(self, i: int, stop_id: bool) -> FinishReason | None:
         return finish_reason(self.output_ids[i], self.params[i], stop_id=stop_id, aborted=self.aborted(i),
-                             decode=self.decode, window=self.window[i])
+                             decode=self.decode)
 
 
 class _Stopper(StoppingCriteria):
@@ -480,16 +475,21 @@ class EmbeddedEngine:
             self._drain()
             raise
 
-    def _loop_static(self) -> None:
+    def _wait_for_jobs(self) -> bool:
+        """With nothing running: applies weight updates as they come, and returns once there are jobs to take
+        (True) or the engine is closed (False)."""
         while True:
             with self._cond:
                 self._cond.wait_for(self._has_work)
                 if self._closed:
-                    break
+                    return False
                 update = self._updates.popleft() if self._updates else None
-            if update is not None:
-                self._apply(update)
-                continue
+            if update is None:
+                return True
+            self._apply(update)
+
+    def _loop_static(self) -> None:
+        while self._wait_for_jobs():
             self._coalesce()
             with self._cond:
                 jobs = self._take()
@@ -571,19 +571,12 @@ class EmbeddedEngine:
         batch = RunningBatch(self.model, self.pad_token_id)
         rows = self._rows
         while True:
-            update = None
-            with self._cond:
-                if not rows:
+            if not rows:
+                with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-                    self._cond.wait_for(self._has_work)
-                    if self._closed:
-                        break
-                    update = self._updates.popleft() if self._updates else None
-            if update is not None:
-                self._apply(update)
-                continue
-            if not rows:
+                if not self._wait_for_jobs():
+                    break
                 self._coalesce()
             with self._cond:
                 jobs = [] if self._updates or self._closed else self._take(self.max_batch_size - len(rows))
@@ -646,7 +639,7 @@ class EmbeddedEngine:
             row.logprobs.append(logprob)
             job = row.job
             reason = finish_reason(
-                row.output_ids, job.request.sampling, decode=self.loaded.decode, window=row.window,
+                row.output_ids, job.request.sampling, decode=self.loaded.decode,
                 stop_id=token in self.eos_token_ids or token in job.request.sampling.stop_token_ids,
                 aborted=self._closed or job.aborted or job.future.cancelled(),
             )
@@ -705,12 +698,7 @@ class EmbeddedEngine:
     def _batch_inputs(self, prompts: list[list[int]],
                       mm_inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Left-padded ids and mask, plus every row's processor outputs (`mm_inputs`) concatenated in row order."""
-        longest = max(map(len, prompts))
-        ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(prompts):
-            ids[i, longest - len(prompt) :] = torch.tensor(prompt)
-            mask[i, longest - len(prompt) :] = 1
+        ids, mask = left_padded(prompts, self.pad_token_id)
         inputs = {"input_ids": ids, "attention_mask": mask}
         if self._mm_token_types:
             processor: Any = self.loaded.processor  # not None here (see __init__); typed for lists, takes the tensor
