@@ -95,10 +95,27 @@ class PromptCache:
             self._items.move_to_end(key)
         return hit
 
-    def put(self, key: Hashable, text: str, ids: list[int]) -> None:
-        self._items[key] = (text, ids)
-        if len(self._items) > self.size:
-            self._items.popitem(last=False)
+    def render(self, loaded: LoadedModel, messages: list[Message],
+               tools: list[dict[str, Any]] | None) -> tuple[str, list[int], dict[str, torch.Tensor]]:
+        """`_render_prompt`'s answer, from the cache when the prompt is text only and was rendered before."""
+        key = self.key(messages, tools)
+        if key is None:
+            return _render_prompt(loaded, messages, tools)
+        hit = self.get(key)
+        if hit is None:
+            text, ids, _ = _render_prompt(loaded, messages, tools)  # text only: no media features
+            hit = self._items[key] = (text, ids)
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return hit[0], list(hit[1]), {}  # a conversation's ids are its own to extend
+
+
+def _render_prompt(loaded: LoadedModel, messages: list[Message],
+                   tools: list[dict[str, Any]] | None) -> tuple[str, list[int], dict[str, torch.Tensor]]:
+    """The prompt's template text with the generation prompt, its token ids and its media features."""
+    text = chat_text(loaded, messages, tools=tools, add_generation_prompt=True)
+    ids, features = _encode(loaded, text, messages)
+    return text, ids, features
 
 
 @dataclass
@@ -129,16 +146,8 @@ class ConversationTokens:
               *, cache: PromptCache | None = None):
         """The conversation of the rendered prompt; `cache` (one per model) reuses a text-only prompt's render."""
         conv = cls(loaded, tools or None, list(messages), traits=template_traits(loaded))
-        key = None if cache is None else cache.key(conv.messages, conv.tools)
-        hit = None if key is None or cache is None else cache.get(key)
-        features: dict[str, torch.Tensor] = {}
-        if hit is not None:
-            text, ids = hit[0], list(hit[1])
-        else:
-            text = chat_text(loaded, conv.messages, tools=conv.tools, add_generation_prompt=True)
-            ids, features = _encode(loaded, text, conv.messages)
-            if key is not None and cache is not None:
-                cache.put(key, text, list(ids))
+        render = _render_prompt if cache is None else cache.render
+        text, ids, features = render(loaded, conv.messages, conv.tools)
         conv._append(ids, "prompt", text, conv.messages, features)
         conv.prompt_len = len(ids)
         return conv
