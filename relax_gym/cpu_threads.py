@@ -21,13 +21,13 @@ from dataclasses import dataclass
 __all__ = ["ThreadPlacement", "check_cores"]
 
 
-def check_cores(cores: Sequence[int], where: str) -> None:
-    """Raises ValueError naming `where` when a core is not one of this machine's (the calling thread's own
-    affinity may already be narrower: the process's main thread can be pinned to the rollout's core)."""
+def check_cores(cores: Sequence[int]) -> None:
+    """Raises ValueError when a core is not one of this machine's (checked against the machine, not the calling
+    thread's affinity, which may already be narrower: the process's main thread can be pinned)."""
     count = os.cpu_count() or 1
     missing = sorted(c for c in set(cores) if not 0 <= c < count)
     if missing:
-        raise ValueError(f"{where}: cores {missing} do not exist on this machine (cores 0..{count - 1})")
+        raise ValueError(f"cores {missing} do not exist on this machine (cores 0..{count - 1})")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relax_gym.cpu_threads import ThreadPlacement, check_cores
 from relax_gym.engines.base import SamplingParams
@@ -136,6 +136,13 @@ class RoleThreads(_Strict):
     cores: list[int] | None = Field(None, min_length=1)
     threads: int | None = Field(None, ge=1)
 
+    @field_validator("cores")
+    @classmethod
+    def _cores_exist(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is not None:
+            check_cores(cores)
+        return cores
+
     def placement(self) -> ThreadPlacement:
         return ThreadPlacement(None if self.cores is None else tuple(self.cores), self.threads)
 
@@ -146,14 +153,6 @@ class CpuSection(_Strict):
 
     engine: RoleThreads = Field(default_factory=RoleThreads)
     trainer: RoleThreads = Field(default_factory=RoleThreads)
-
-    @model_validator(mode="after")
-    def _cores_exist(self) -> CpuSection:
-        for role in ("engine", "trainer"):
-            cores = getattr(self, role).cores
-            if cores is not None:
-                check_cores(cores, f"cpu.{role}.cores")
-        return self
 
 
 class MegatronSection(_Strict):

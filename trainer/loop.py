@@ -134,9 +134,11 @@ class Trainer:
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
         self.sampling = r.sampling_params()
-        #: the thread every backend call runs in, placed by `cpu.trainer` (the engine has its own)
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="relax-gym-trainer",
-                                                  initializer=cfg.cpu.trainer.placement().apply)
+        #: the thread every backend call runs in, placed by `cpu.trainer` (the engine has its own); with
+        #: `trainer.own_process` it only waits on the trainer's process, which takes the placement itself
+        self._trainer_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="relax-gym-trainer",
+            initializer=None if cfg.trainer.own_process else cfg.cpu.trainer.placement().apply)
         self._build_roles()
         self.algo = cfg.algorithm.to_algorithm_config()
         self.loss_fn = make_loss_fn(self.algo)

@@ -88,13 +88,13 @@ def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int, *, dtyp
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
     if lengths.numel() and int(lengths.max()) > width:
         raise ValueError(f"a row of {int(lengths.max())} values does not fit in width {width}")
-    if all(isinstance(row, torch.Tensor) for row in rows):
-        flat = torch.cat([torch.as_tensor(row).reshape(-1).to(dtype) for row in rows]) if rows else torch.zeros(0)
+    if rows and all(isinstance(row, torch.Tensor) for row in rows):
+        flat = torch.cat([torch.as_tensor(row).reshape(-1) for row in rows]).to(dtype)
     else:
         flat = torch.tensor([x for row in rows for x in (row.tolist() if isinstance(row, torch.Tensor) else row)],
                             dtype=dtype)
     out = torch.zeros(len(rows), width, dtype=dtype)
-    out[torch.arange(width) < lengths[:, None]] = flat.to(dtype)
+    out[torch.arange(width) < lengths[:, None]] = flat
     return out.to(device) if device is not None else out
 
 
