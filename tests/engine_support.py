@@ -19,7 +19,7 @@ from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, ServerLimits, create_app
 from relax_gym.engines.base import GenerateRequest, SamplingParams
 from relax_gym.engines.server import uvicorn_config
-from relax_gym.models import MEDIA_KEYS, LoadedModel, processor_inputs, sequence_inputs
+from relax_gym.models import MEDIA_KEYS, LoadedModel, load_model, processor_inputs, sequence_inputs
 
 
 def make_request(loaded: LoadedModel, conversation: list[M.Message], sampling: SamplingParams) -> GenerateRequest:
@@ -33,6 +33,17 @@ def make_request(loaded: LoadedModel, conversation: list[M.Message], sampling: S
         audios=[(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"],
         mm_inputs={k: inputs[k] for k in MEDIA_KEYS if k in inputs} or None,
     )
+
+
+def chaotic_model(name: str) -> LoadedModel:
+    """A tiny model with N(0, 0.3) matrices, so greedy outputs vary from token to token (deterministic)."""
+    loaded = load_model(name)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in loaded.model.parameters():
+            if param.ndim > 1:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return loaded
 
 
 def teacher_forced(loaded: LoadedModel, request: GenerateRequest, output_ids: list[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from engine_support import teacher_forced
+from engine_support import chaotic_model, teacher_forced
 
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
 from relax_gym.engines.continuous import RunningBatch, supports_continuous_batching
@@ -17,13 +17,7 @@ from relax_gym.models import LoadedModel, load_model
 @pytest.fixture(scope="module")
 def chaotic() -> LoadedModel:
     """The tiny text model with N(0, 0.3) matrices, so greedy and sampled outputs vary token to token."""
-    loaded = load_model("tiny")
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in loaded.model.parameters():
-            if param.ndim > 1:
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return loaded
+    return chaotic_model("tiny")
 
 
 def _requests() -> list[GenerateRequest]:
@@ -38,8 +32,13 @@ def _requests() -> list[GenerateRequest]:
 
 
 def test_the_tiny_text_model_batches_continuously_and_media_models_statically():
-    assert EmbeddedEngine(load_model("tiny")).continuous
-    assert not EmbeddedEngine(load_model("tiny"), batching="static").continuous
+    engines = [EmbeddedEngine(load_model("tiny")), EmbeddedEngine(load_model("tiny"), batching="static")]
+    try:
+        assert engines[0].continuous
+        assert not engines[1].continuous
+    finally:
+        for engine in engines:
+            asyncio.run(engine.close())
     for name in ("tiny-vl", "tiny-audio"):
         loaded = load_model(name)
         assert not supports_continuous_batching(loaded.model, loaded.processor is not None)

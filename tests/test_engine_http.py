@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from engine_support import AUTH, KEY, free_port, get, make_request, post, serving, teacher_forced
+from engine_support import AUTH, KEY, chaotic_model, free_port, get, make_request, post, serving, teacher_forced
 from PIL import Image
 
 from relax_gym import messages as M
@@ -38,24 +38,13 @@ from relax_gym.engines.sglang import backoff_delay, png_data_url, wav_data_url
 from relax_gym.models import LoadedModel, load_model, save_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
-def _chaotic(name: str) -> LoadedModel:
-    """A tiny model with N(0, 0.3) matrices, so greedy outputs vary from token to token (deterministic)."""
-    loaded = load_model(name)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in loaded.model.parameters():
-            if param.ndim > 1:
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return loaded
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[dict[str, tuple[str, EmbeddedEngine]]]:
     """One server per tiny model (chaotic weights), for the tests that do not change weights."""
     with (
-        serving(_chaotic("tiny")) as text,
-        serving(_chaotic("tiny-vl")) as vl,
-        serving(_chaotic("tiny-audio")) as audio,
+        serving(chaotic_model("tiny")) as text,
+        serving(chaotic_model("tiny-vl")) as vl,
+        serving(chaotic_model("tiny-audio")) as audio,
     ):
         yield {"tiny": text, "tiny-vl": vl, "tiny-audio": audio}
 
@@ -68,7 +57,7 @@ def servers(served) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, LoadedModel]:
     """The same weights as the servers', in this process."""
-    return {name: _chaotic(name) for name in ("tiny", "tiny-vl", "tiny-audio")}
+    return {name: chaotic_model(name) for name in ("tiny", "tiny-vl", "tiny-audio")}
 
 
 def _media_conversation(name: str) -> list[M.Message]:
@@ -254,7 +243,7 @@ def test_client_raises_request_errors_without_retrying(servers, references):
 
 @pytest.mark.timeout(60)
 def test_weight_updates_from_disk_and_tensors(tmp_path):
-    trained = _chaotic("tiny")
+    trained = chaotic_model("tiny")
     with torch.no_grad():
         for param in trained.model.parameters():
             param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(2)))
@@ -262,7 +251,7 @@ def test_weight_updates_from_disk_and_tensors(tmp_path):
     request = make_request(trained, [M.user("What is 6*7?")], SamplingParams(temperature=0, max_new_tokens=16))
     expected = _in_process(trained, request)
 
-    with serving(_chaotic("tiny")) as (url, engine):
+    with serving(chaotic_model("tiny")) as (url, engine):
 
         async def use(client: SGLangEngine):
             before = await client.generate(request)
