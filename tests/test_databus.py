@@ -152,3 +152,29 @@ def test_a_failed_producer_ends_take_with_its_error():
             await bus.take()
 
     asyncio.run(run())
+
+
+def test_a_take_at_the_next_version_before_advancing_takes_what_it_would_after():
+    """The trainer takes its next step's groups while it trains the current one: the same groups and the same
+    counters as a take after `advance`."""
+    keep = lambda group: group[0].reward > 0.5  # noqa: E731
+    arrivals = [[trajectory([0], 0, reward=1.0)],  # stale at version 2 (k = 1)
+                [trajectory([1], 1, reward=0.0)],  # filtered
+                [trajectory([2], 2, reward=1.0)],
+                [trajectory([1], 3, reward=1.0)],
+                [trajectory([2], 4, reward=1.0)]]  # left for the step after
+
+    async def run() -> tuple[DataBus, DataBus, list, list]:
+        early, late = DataBus(2, 1, keep=keep), DataBus(2, 1, keep=keep)
+        for bus in (early, late):
+            await bus.advance(1)
+            for group in arrivals:
+                await bus.put(group)
+        ahead = await early.take(version=2)
+        await late.advance(2)
+        return early, late, ahead, await late.take()
+
+    early, late, ahead, taken = asyncio.run(run())
+    assert [g[0].seed for g in ahead] == [g[0].seed for g in taken] == [2, 3]
+    assert early.state() == late.state() and early.state()["dropped_stale"] == early.state()["filtered"] == 1
+    assert [g[0].seed for g in early._ready] == [4] and early.version == 1

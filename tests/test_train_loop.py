@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 import relax_gym
+from relax_gym.engines.base import EngineError
 from relax_gym.envs.procedural import GuessNumberEnv
+from relax_gym.errors import RunStopped
 from relax_gym.trainer.config import load_config
 from relax_gym.trainer.loop import Trainer, train
 
@@ -196,3 +198,64 @@ def test_k0_async_reproduces_the_synchronous_run_exactly(tmp_path, filter_unifor
     assert any(r["train/loss"] != 0 for r in runs["sync"])
     if filter_uniform:
         assert runs["sync"][-1]["filtered_total"] == runs["async"][-1]["filtered_total"] > 0  # refills ran
+
+
+class PushRecorder:
+    """The real embedded engine, noting each weight push in `events` 0.2 s after it landed (a slow push), and
+    refusing `fail_at`'s."""
+
+    def __init__(self, engine, events: list[tuple[str, int]], fail_at: int | None = None):
+        self.engine, self.events, self.fail_at = engine, events, fail_at
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def update_weights(self, weights, version):
+        if version == self.fail_at:
+            raise EngineError(f"test: the engine refused the weights of step {version}")
+        await self.engine.update_weights(weights, version)
+        await asyncio.sleep(0.2)
+        self.events.append(("pushed", version))
+
+
+def trainer_recording(cfg, fail_at: int | None = None) -> tuple[Trainer, list[tuple[str, int]]]:
+    """A trainer whose pushes and update starts are noted in order; each update takes 0.3 s longer, so the next
+    step's groups are ready before it ends."""
+    events: list[tuple[str, int]] = []
+    trainer = Trainer(cfg)
+    trainer.engine = trainer.manager.engine = PushRecorder(trainer.engine, events, fail_at)
+    backend, train_step = trainer.backend, trainer.backend.train_step
+
+    def slow_train_step(*args, **kwargs):
+        events.append(("training", backend.version + 1))
+        time.sleep(0.3)
+        return train_step(*args, **kwargs)
+
+    backend.train_step = slow_train_step
+    return trainer, events
+
+
+def test_async_trains_the_next_step_while_the_last_one_is_pushed(tmp_path):
+    cfg = config(tmp_path, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=4",
+                 "trainer.checkpoint_every=100")
+    trainer, events = trainer_recording(cfg)
+    asyncio.run(trainer.run())
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2, 3, 4]
+    ahead = [v for v in (2, 3, 4) if events.index(("training", v)) < events.index(("pushed", v - 1))]
+    assert ahead, events
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "4"
+
+
+def test_a_step_trained_ahead_of_a_failed_push_is_logged_and_checkpointed(tmp_path):
+    """Step 3 trains while step 2's push fails: the run stops, keeping step 3 in its log and checkpoint, and
+    resumes after it."""
+    cfg = config(tmp_path, "trainer.mode=async", "trainer.max_staleness=1", "trainer.total_steps=4",
+                 "trainer.checkpoint_every=100")
+    trainer, events = trainer_recording(cfg, fail_at=2)
+    with pytest.raises(RunStopped, match="weights of step 2"):
+        asyncio.run(trainer.run())
+    assert ("training", 3) in events
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "3"
+    train(cfg)
+    assert [r["step"] for r in train_records(tmp_path / "run")] == [1, 2, 3, 4]

@@ -8,7 +8,9 @@ only to be thrown away; groups that are discarded anyway (still too stale
 after finishing, or filtered, e.g. all-equal rewards) free their slot so the
 trainer can never starve. A hard filter at consumption drops and counts any
 group that exceeds k. k = 0 admits exactly one step's groups at a time: the
-synchronous schedule.
+synchronous schedule. `take(version)` hands out a later step's groups by the
+rule of that step's version, so the trainer can take them while it still
+trains the step before.
 
 Its counters are part of a checkpoint (`state` / `restore`), so a resumed run
 admits exactly what the uninterrupted one would have; a producer failure
@@ -90,8 +92,12 @@ class DataBus:
             self._changed.notify_all()
 
     # --- consumer side ----------------------------------------------------------------
-    async def take(self) -> list[Group]:
-        """The next `groups_per_step` groups that pass the staleness filter and `keep`, oldest first."""
+    async def take(self, version: int | None = None) -> list[Group]:
+        """The next `groups_per_step` groups that pass the staleness filter and `keep`, oldest first.
+
+        `version` (default: the bus's) is the one they will be trained at: the trainer takes its next
+        step's groups at that version while it still trains the current one, before it `advance`s."""
+        at = self.version if version is None else version
         batch: list[Group] = []
         while len(batch) < self.groups_per_step:
             async with self._changed:
@@ -101,18 +107,27 @@ class DataBus:
                         raise self.error
                     raise EOFError("the data bus closed before a full step's groups arrived")
                 group = self._ready.pop(0)
-                staleness = group_staleness(group, self.version)
-                if staleness > self.max_staleness:
-                    self.dropped_stale += 1
-                    self._discard(group)
-                    continue
-                if not self.keep(group):
-                    self.filtered += 1
-                    self._discard(group)
-                    continue
-            self.staleness_histogram[staleness] += 1
-            batch.append(group)
+                self._consume(group, self._verdict(group, at), batch)
         return batch
+
+    def _verdict(self, group: Group, version: int) -> int | str:
+        """A group's staleness at `version` if it is trained, else why not: "stale" or "filtered"."""
+        staleness = group_staleness(group, version)
+        if staleness > self.max_staleness:
+            return "stale"
+        return staleness if self.keep(group) else "filtered"
+
+    def _consume(self, group: Group, verdict: int | str, batch: list[Group]) -> None:
+        """Counts a group taken off the ready list: into `batch` (an int verdict, its staleness) or discarded."""
+        if verdict == "stale":
+            self.dropped_stale += 1
+        elif verdict == "filtered":
+            self.filtered += 1
+        else:
+            self.staleness_histogram[int(verdict)] += 1
+            batch.append(group)
+            return
+        self._discard(group)
 
     def _discard(self, group: Group) -> None:
         self.discarded += 1

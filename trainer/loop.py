@@ -26,9 +26,9 @@ import shutil
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +56,31 @@ _T = TypeVar("_T")
 
 EVAL_SEED_OFFSET = 1_000_000_000  # held-out tasks never share a seed with training tasks
 TRAINABLE = ("completed", "truncated")
+
+
+@dataclass
+class TrainedStep:
+    """A step the backend has trained that the run has not yet concluded (pushed, logged, checkpointed)."""
+
+    version: int
+    groups: list[Group]
+    samples: list[Sample]
+    metrics: dict[str, float]
+    timings: dict[str, float]
+    counters: dict[str, Any]
+    #: the weights at `version` (`Trainer._snapshot`), or None where the push reads them itself
+    weights: Any
+
+
+@dataclass
+class StepJob:
+    """An async run's step in flight: the take of its groups from the bus, then its training."""
+
+    step: int
+    take: asyncio.Future[list[Group]]
+    task: asyncio.Task[TrainedStep]
+    take_started: float
+    taken_at: float = 0.0
 
 
 def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
@@ -104,6 +129,9 @@ def make_run_dir(path: Path) -> Path | None:
 
 class Trainer:
     """A run: builds and checks everything in `__init__` (nothing is left behind if that fails), trains in `run`."""
+
+    #: whether an async run may start its next step while this one trains (`_start_ahead`)
+    _ahead_ok = True
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -165,6 +193,7 @@ class Trainer:
         self._bus_state: dict[str, Any] | None = None
         self.filtered = 0  # sync mode's run total (async keeps it on the bus)
         self.steps_without_samples = 0
+        self._backend_failures = 0  # backend jobs that raised (see `_backend_step`)
 
     def _build_roles(self) -> None:
         """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
@@ -348,7 +377,8 @@ class Trainer:
             await _finish_step(self._train_on(groups, time.perf_counter() - t0, {"filtered_total": self.filtered}))
 
     async def _run_async(self) -> None:
-        """Rollouts run ahead of training by at most `max_staleness` versions (see DataBus)."""
+        """Rollouts run ahead of training by at most `max_staleness` versions (see DataBus); with
+        `max_staleness` of 1 or more each step is started while the one before trains (`_start_ahead`)."""
         bus = DataBus(self.cfg.rollout.groups_per_step, self.cfg.trainer.max_staleness, keep=self._keep,
                       on_discard=lambda group: self._finish_tasks([group]))
         if self._bus_state is not None:
@@ -357,18 +387,84 @@ class Trainer:
             bus.version = self.step
         self.bus = bus
         producer = asyncio.create_task(self._produce(bus))
+        #: the step whose groups are being taken, or the next one, started ahead (`_start_ahead`)
+        self._ahead: StepJob | None = None
+        self._trained_at = time.perf_counter()  # when the backend last finished a step: rollout waits count from it
         try:
             while self._going_on():
-                t0 = time.perf_counter()
-                groups = await bus.take()
-                counters = {"dropped_stale_total": bus.dropped_stale, "filtered_total": bus.filtered,
-                            "staleness_histogram": dict(bus.staleness_histogram)}
-                await _finish_step(self._train_on(groups, time.perf_counter() - t0, counters))
-                await bus.advance(self.step)
+                self._ahead = self._ahead or self._start_step(bus, self.step + 1)
+                await asyncio.wait([self._ahead.take])  # its groups are here, or the take failed (the step raises)
+                job = self._ahead
+                self._ahead = self._start_ahead(bus, job)
+                await _finish_step(self._step_async(bus, job))
+        except BaseException as err:
+            if self._ahead is not None:
+                await self._settle_ahead(self._ahead, err)
+            raise
         finally:
             await bus.close()
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+
+    def _start_step(self, bus: DataBus, step: int) -> StepJob:
+        """Step `step`: its groups taken from the bus at the version it trains (`step - 1`), then trained."""
+        take = asyncio.ensure_future(bus.take(version=step - 1))
+
+        async def train() -> TrainedStep:
+            groups = await take
+            job.taken_at = time.perf_counter()
+            return await self._train_step(step, groups, self._bus_counters(bus))
+
+        job = StepJob(step, take, asyncio.ensure_future(train()), time.perf_counter())
+        return job
+
+    def _start_ahead(self, bus: DataBus, job: StepJob) -> StepJob | None:
+        """The step after `job`, started while `job` trains, if the schedule allows it.
+
+        Its groups are taken as they arrive, by the rule of the version they
+        will be trained at, and its backend work queues behind `job`'s on
+        the trainer's thread: the trainer goes from one update to the next while
+        the loop pushes, logs and batches, so with two cores the async step
+        approaches max(T_rollout, T_train). Not with `max_staleness: 0` (the next
+        step's groups cannot start before this step's weights are pushed: the
+        synchronous schedule stays exact), not past a checkpoint (it reads the
+        backend) and not in a trainer whose push reads the backend itself
+        (`_ahead_ok`).
+        """
+        if (not self._ahead_ok or self.cfg.trainer.max_staleness == 0 or self._sigint or _failed(job.take)
+                or _failed(job.task) or job.step >= self.cfg.trainer.total_steps or self._checkpoint_due(job.step)):
+            return None
+        return self._start_step(bus, job.step + 1)
+
+    async def _step_async(self, bus: DataBus, job: StepJob) -> None:
+        """A step's training awaited and concluded; the rollout wait it logs is the part of its take that the
+        trainer sat idle for (none when its groups were there before the step before it was trained)."""
+        trained = await job.task
+        trained.timings["wait_rollout_s"] = max(0.0, job.taken_at - max(job.take_started, self._trained_at))
+        self._trained_at = time.perf_counter()
+        await self._conclude(trained)
+        await bus.advance(self.step)
+
+    @staticmethod
+    def _bus_counters(bus: DataBus) -> dict[str, Any]:
+        return {"dropped_stale_total": bus.dropped_stale, "filtered_total": bus.filtered,
+                "staleness_histogram": dict(bus.staleness_histogram)}
+
+    async def _settle_ahead(self, ahead: StepJob, err: BaseException) -> None:
+        """The step in `_ahead` when the run stops: one still waiting for its groups is dropped (its tasks stay in
+        the ledger); one training runs to its end and is logged, weights not pushed, so the checkpoint the run
+        leaves holds what its log says. Its failure becomes a note on `err`."""
+        if not ahead.take.done():
+            ahead.take.cancel()
+            await asyncio.gather(ahead.take, ahead.task, return_exceptions=True)
+            return
+        try:
+            trained = await _finish_step(ahead.task)
+        except BaseException as lost:
+            err.add_note(f"step {ahead.step}, started ahead of step {ahead.step - 1}'s push, failed too: {lost!r}")
+            return
+        self._account(trained)
+        self._log_step(trained)
 
     async def _produce(self, bus: DataBus) -> None:
         """Starts groups as admission allows; each goes to the bus when done. A group that raises (a bug) or
@@ -395,49 +491,93 @@ class Trainer:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def _train_on(self, groups: list[Group], waited: float, counters: dict[str, Any]) -> None:
-        cfg = self.cfg
+        trained = await self._train_step(self.step + 1, groups, counters)
+        trained.timings["wait_rollout_s"] = waited
+        await self._conclude(trained)
+
+    async def _train_step(self, step: int, groups: list[Group], counters: dict[str, Any]) -> TrainedStep:
+        """The backend's part of step `step`, in one job on the trainer's thread (`_backend_step`); the run's
+        own state (step, ledger, log) moves in `_conclude`."""
         groups = sorted(groups, key=lambda g: g[0].seed if g and g[0].seed is not None else 0)
         trajs = [t for g in groups for t in g]
         if trajs and all(t.status == "aborted" for t in trajs):
-            raise RunStopped(f"every episode of step {self.step + 1} was aborted, so it was not trained "
+            raise RunStopped(f"every episode of step {step} was aborted, so it was not trained "
                              f"(its tasks are kept for a resume): {status_breakdown(trajs)}")
         counters = {**counters, **self.role_counters()}
         samples = [s for g in groups for s in group_to_samples(g, self.algo.std_normalize)]
-        timings = {"wait_rollout_s": waited}
+        metrics, timings, version, weights = await self._on_trainer_thread(self._backend_step, samples,
+                                                                           self._backend_failures)
+        return TrainedStep(version, groups, samples, metrics, {"wait_rollout_s": 0.0, **timings}, counters,
+                           weights)
+
+    def _backend_step(self, samples: list[Sample], failures_seen: int) -> tuple[dict[str, float], dict[str, float],
+                                                                                  int, Any]:
+        """On the trainer's thread, everything a step asks of the backends, in order: the logprobs the loss needs,
+        the update, and `_snapshot` of the weights it made, before any later job can change them.
+
+        A job queued behind one that failed (a step started ahead) does nothing: `failures_seen` is the count
+        of failed jobs when it was queued."""
+        if self._backend_failures != failures_seen:
+            raise RuntimeError("not trained: the step before it failed")
+        try:
+            return self._backend_calls(samples)
+        except BaseException:
+            self._backend_failures += 1
+            raise
+
+    def _backend_calls(self, samples: list[Sample]) -> tuple[dict[str, float], dict[str, float], int, Any]:
+        temperature = self.cfg.rollout.temperature
         t0 = time.perf_counter()
-        temperature = cfg.rollout.temperature
-        if samples and cfg.algorithm.recompute_old_logprobs:
-            outs = await self._on_trainer_thread(self.backend.logprobs, samples, temperature=temperature)
-            for s, o in zip(samples, outs, strict=True):
+        if samples and self.cfg.algorithm.recompute_old_logprobs:
+            for s, o in zip(samples, self.backend.logprobs(samples, temperature=temperature), strict=True):
                 s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
         for frozen, attr in ((self.ref, "ref_logprobs"), (self.teacher, "teacher_logprobs")):
             if frozen is not None and samples:
-                outs = await self._on_trainer_thread(frozen.logprobs, samples, temperature=temperature)
-                for s, o in zip(samples, outs, strict=True):
+                for s, o in zip(samples, frozen.logprobs(samples, temperature=temperature), strict=True):
                     setattr(s, attr, o.logprobs.clone())
-        timings["logprobs_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        train_metrics: dict[str, float] = {}
+        t1 = time.perf_counter()
+        metrics: dict[str, float] = {}
         if samples:
-            train_metrics = await self._on_trainer_thread(self.backend.train_step, samples, self.loss_fn,
-                                                          temperature=temperature)
+            metrics = self.backend.train_step(samples, self.loss_fn, temperature=temperature)
         else:
             self.backend.version += 1  # nothing trainable this step: the policy version still advances
-        timings["train_s"] = time.perf_counter() - t0
-        self.step = self.backend.version
-        self._finish_tasks(groups)
+        t2 = time.perf_counter()
+        weights = self._snapshot()
+        timings = {"logprobs_s": t1 - t0, "train_s": t2 - t1, "weight_sync_s": time.perf_counter() - t2}
+        return metrics, timings, self.backend.version, weights
+
+    def _snapshot(self) -> Any:
+        """The weights `_push_weights` sends, read on the trainer's thread right after the update."""
+        return self.backend.hf_state_dict()
+
+    async def _conclude(self, trained: TrainedStep) -> None:
+        """The run moves to a trained step: its weights go to the engine, it is logged, checkpointed, evaluated."""
+        cfg = self.cfg
+        self._account(trained)
         t0 = time.perf_counter()
         try:
-            await self._push_weights()
+            await self._push_weights(trained.weights)
         finally:  # the step is trained: it is logged even if the push fails, and so before any checkpoint of it
-            timings["weight_sync_s"] = time.perf_counter() - t0
-            self.log.step(self.step, groups, samples, train_metrics, timings, counters)
-        if self.step % cfg.trainer.checkpoint_every == 0 or self.step == cfg.trainer.total_steps:
+            trained.timings["weight_sync_s"] += time.perf_counter() - t0  # after the snapshot's share
+            self._log_step(trained)
+        if self._checkpoint_due(self.step):
             self._checkpoint()
         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
             self._start_eval(self.step)
-        self._stop_if_not_learning(trajs, bool(samples))
+        self._stop_if_not_learning([t for g in trained.groups for t in g], bool(trained.samples))
         await self._after_step()
+
+    def _account(self, trained: TrainedStep) -> None:
+        """The run's position moves to `trained`: its version, and its tasks leave the ledger."""
+        self.step = trained.version
+        self._finish_tasks(trained.groups)
+
+    def _log_step(self, trained: TrainedStep) -> None:
+        self.log.step(trained.version, trained.groups, trained.samples, trained.metrics, trained.timings,
+                      trained.counters)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return step % self.cfg.trainer.checkpoint_every == 0 or step == self.cfg.trainer.total_steps
 
     async def _on_trainer_thread(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """`fn(*args, **kwargs)` in the trainer's own thread (see `cpu.trainer`), awaited."""
@@ -466,18 +606,21 @@ class Trainer:
             raise RunStopped(f"no trainable sample for {limit} steps in a row (trainer.max_steps_without_samples), "
                              f"so the run cannot learn; the last step's {status_breakdown(trajs)}")
 
-    async def _push_weights(self) -> None:
-        """The trained weights to the engine, between its turns; an engine that stays away stops the run."""
+    async def _push_weights(self, weights: Any = None) -> None:
+        """The trained weights (`_snapshot`'s, or the backend's now if None) to the engine, between its turns; an
+        engine that stays away stops the run."""
+        if weights is None:
+            weights = await self._on_trainer_thread(self._snapshot)
         try:
             await self.engine.pause()
             try:
                 if self.cfg.rollout.engine == "sglang":
                     folder = self.run_dir / "weights" / f"v{self.step}"
-                    self.loaded.model.load_state_dict(self.backend.hf_state_dict())
+                    self.loaded.model.load_state_dict(weights)
                     self.loaded.model.save_pretrained(folder)
                     await self.engine.update_weights(str(folder), self.step)
                 else:
-                    await self.engine.update_weights(self.backend.hf_state_dict(), self.step)
+                    await self.engine.update_weights(weights, self.step)
             except (EngineUnavailableError, asyncio.CancelledError):
                 raise  # resuming a server that is gone waits out its outage again; a paused one is resumed at start
             except BaseException:
@@ -550,15 +693,20 @@ class Trainer:
                                f"{step}) were refused: {err}; restart the engine server") from None
 
 
-async def _finish_step(step: Any) -> None:
+async def _finish_step(step: Awaitable[_T]) -> _T:
     """Runs a training step to its end even if the run is interrupted meanwhile (its update runs in a
-    thread, and a checkpoint taken halfway through would not match the logged step)."""
+    thread, and a checkpoint taken halfway through would not match the logged step); returns its result."""
     job = asyncio.ensure_future(step)
     try:
-        await asyncio.shield(job)
+        return await asyncio.shield(job)
     except asyncio.CancelledError:
         await job
         raise
+
+
+def _failed(job: asyncio.Future[Any]) -> bool:
+    """Whether a job has raised or was cancelled (False while it runs)."""
+    return job.done() and (job.cancelled() or job.exception() is not None)
 
 
 def _yaml(cfg: TrainConfig) -> str:

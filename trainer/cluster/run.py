@@ -60,6 +60,9 @@ class ClusterTrainer(Trainer):
     `on_step(self)` (tests, the chaos benchmark) is awaited after each logged step: a place to kill roles.
     """
 
+    #: the trainer rank publishes whatever weights it holds, so no step may train while the last one publishes
+    _ahead_ok = False
+
     def __init__(self, cfg: TrainConfig, *, faults: Faults | None = None,
                  on_step: Callable[[ClusterTrainer], Awaitable[None]] | None = None):
         if cfg.cluster is None:
@@ -208,7 +211,10 @@ class ClusterTrainer(Trainer):
         except ACTOR_GONE as err:
             raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
 
-    async def _push_weights(self) -> None:
+    def _snapshot(self) -> None:
+        """Nothing: `_publish` has the trainer rank send its own weights."""
+
+    async def _push_weights(self, weights: Any = None) -> None:
         """Trained weights to every ACTIVE engine; engines that fail it are replaced by the health manager and
         sync to these weights before they serve again."""
         await self._publish()
