@@ -205,7 +205,8 @@ def test_media_as_data_urls_bare_base64_and_text_prompts(servers, references):
         ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v2"}, "weight_version"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_b64"),
         ("/update_weights_from_tensor", {"safetensors_b64": "!!"}, "safetensors_b64"),
-        ("/pause_generation", {"mode": "abort"}, "mode"),
+        ("/pause_generation", {"mode": "retract"}, "mode"),
+        ("/pause_generation", {"mode": "hold"}, "mode"),
     ],
 )
 def test_malformed_requests_get_400_naming_the_field(servers, route, body, field):

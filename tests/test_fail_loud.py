@@ -418,6 +418,7 @@ def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_res
         server.wait(30)
     assert summary["resumed_from"] == latest
     assert [r["step"] for r in train_rows(tmp_path / "run")] == list(range(1, latest + 3))
+    assert [p.name for p in (tmp_path / "run" / "weights").iterdir()] == [f"v{latest + 2}"]  # the older are pruned
 
 
 def test_a_local_folder_named_like_a_tiny_model_is_not_shadowed(tmp_path, monkeypatch):

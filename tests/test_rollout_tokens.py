@@ -56,7 +56,7 @@ def test_segments_masks_and_media_follow_the_turns():
     conv = ConversationTokens.start(loaded, [message("user", image(Image.new("RGB", (64, 64), "red")), "What?")])
     eos = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = loaded.tokenizer("Let me zoom.", add_special_tokens=False)["input_ids"] + [eos]
-    text = conv.append_generation(ids, [-0.5] * len(ids), 3, {eos})
+    text = conv.append_generation(ids, [-0.5] * len(ids), [3] * len(ids), {eos})
     assert text == "Let me zoom."
     conv.append_observation([message("tool", image(Image.new("RGB", (32, 32), "blue")), name="zoom")])
     kinds = [s.kind for s in conv.segments]
@@ -84,7 +84,7 @@ def test_non_canonical_policy_tokens_are_not_mistaken_for_a_template_problem():
     # "hello" spelt one byte-token at a time: the same text, not how the tokenizer would split it
     spelt = [tok.convert_tokens_to_ids(c) for c in "hello"]
     assert spelt != tok("hello", add_special_tokens=False)["input_ids"]
-    conv.append_generation([*spelt, eos], [0.0] * 6, 0, {eos})
+    conv.append_generation([*spelt, eos], [0.0] * 6, [0] * 6, {eos})
     conv.append_observation([message("user", "again")])
     assert conv.rerender_diff() is not None  # the token sequences differ...
     assert conv.template_diff() is None  # ...but the template appended exactly what it renders

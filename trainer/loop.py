@@ -619,6 +619,7 @@ class Trainer:
                     self.loaded.model.load_state_dict(weights)
                     self.loaded.model.save_pretrained(folder)
                     await self.engine.update_weights(str(folder), self.step)
+                    _prune_weight_folders(folder)
                 else:
                     await self.engine.update_weights(weights, self.step)
             except (EngineUnavailableError, asyncio.CancelledError):
@@ -702,6 +703,14 @@ async def _finish_step(step: Awaitable[_T]) -> _T:
     except asyncio.CancelledError:
         await job
         raise
+
+
+def _prune_weight_folders(current: Path) -> None:
+    """Removes the `weights/v*` folders beside `current`, which the engine has loaded: it reads a folder only
+    during its update, and a folder a step (an 8B model in bf16 is ~16 GB) would fill the disk."""
+    for folder in current.parent.glob("v*"):
+        if folder != current:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _failed(job: asyncio.Future[Any]) -> bool:

@@ -43,6 +43,11 @@ class EngineGoneError(EngineUnavailableError):
     """The engine's process is gone (killed, crashed, removed): another engine may take the request."""
 
 
+#: `sampling_seed` as sent: the low 31 bits of a request's seed, since older SGLang sampling paths hold it in an
+#: int32 (the embedded engine in this process takes the whole seed)
+SGLANG_SEED_MASK = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Its defaults are also `rollout.*`'s (`RolloutConfig` reads them here)."""
@@ -68,7 +73,7 @@ class SamplingParams:
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
-            params["sampling_seed"] = self.seed
+            params["sampling_seed"] = self.seed & SGLANG_SEED_MASK
         return params
 
 
@@ -97,8 +102,17 @@ class GenerateOutput:
     #: which is what the trainer recomputes at the rollout temperature.
     logprobs: list[float]
     finish_reason: FinishReason
+    #: the version of the weights that generated the output (its last token's, if `token_versions` differ)
     weight_version: int
     prompt_tokens: int = 0
+    #: each output token's version, where a weight update fell within the output (a request that a pause
+    #: aborted and the client resumed); None: every token's is `weight_version`
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The version of each output token."""
+        return list(self.token_versions) if self.token_versions is not None else (
+            [self.weight_version] * len(self.output_ids))
 
 
 @runtime_checkable

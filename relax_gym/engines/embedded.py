@@ -76,6 +76,23 @@ Batching = Literal["continuous", "static"]
 #: requests decoded together by default (`rollout.engine_max_batch_size` reads it here)
 MAX_BATCH_SIZE = 64
 
+
+def engine_device(name: str) -> torch.device:
+    """`rollout.engine_device` as a device: "auto" is the first GPU where torch sees one, else the CPU; "cpu",
+    "cuda" and "cuda:N" must exist here (ValueError says why not)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name!r} is not a device: 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{name!r}: torch sees {torch.cuda.device_count()} CUDA device(s) on this machine")
+    return device
+
+
 # Processor outputs that are per token, not per image / clip: the engine builds them for the padded batch.
 TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "position_ids"})
 
@@ -103,6 +120,8 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     #: set past the caller's deadline: the row ends with "abort" at its next step, keeping what it generated
     aborted: bool = False
+    #: `EmbeddedEngine.pause(abort=True)` calls before this job arrived: a later one aborts it
+    aborts_seen: int = 0
 
     def resolve(self, value: GenerateOutput | BaseException) -> None:
         _resolve(self.loop, self.future, value)
@@ -225,12 +244,19 @@ class EmbeddedEngine:
         batch_window_s: float = 0.005,
         batching: Batching = "continuous",
         placement: ThreadPlacement | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
+        """`device` (None: where the model is) moves `loaded.model` there, in bfloat16 on a GPU as SGLang serves
+        bf16 checkpoints; the engine owns the model from then on."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         self.loaded = loaded
+        if device is not None and torch.device(device) != next(loaded.model.parameters()).device:
+            device = torch.device(device)
+            dtype = torch.bfloat16 if device.type == "cuda" else None
+            loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps-typed `to`
         self.model = loaded.model.eval()
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
@@ -250,6 +276,7 @@ class EmbeddedEngine:
         )
         self._version = 0
         self._paused = False
+        self._aborts = 0  # `pause(abort=True)` calls so far
         self._closed = False
         self._busy = False
         self._jobs: deque[_Job] = deque()
@@ -286,6 +313,7 @@ class EmbeddedEngine:
         job = _Job(request, mm_inputs, loop.create_future(), loop)
         with self._cond:
             self._check_open()
+            job.aborts_seen = self._aborts
             self._jobs.append(job)
             self._cond.notify_all()
         if timeout_s is None:
@@ -324,11 +352,25 @@ class EmbeddedEngine:
             self._cond.notify_all()
         await update.future
 
-    async def pause(self) -> None:
-        """Returns once the running batch (if any) has finished; queued requests wait for `resume`."""
+    async def pause(self, *, abort: bool = False) -> None:
+        """Returns once the running batch (if any) has finished; requests that arrive meanwhile wait for
+        `resume`. `abort=True` is SGLang's abort mode: running requests end at their next step with
+        finish_reason "abort" and the tokens they have, queued ones at once with none."""
         with self._cond:
             self._paused = True
+            queued: list[_Job] = []
+            if abort:
+                self._aborts += 1
+                queued = list(self._jobs)
+                self._jobs.clear()
+        for job in queued:
+            job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
         await asyncio.to_thread(self._wait_idle)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a batch is running (SGLang's `/flush_cache` is refused then)."""
+        return self._busy
 
     async def resume(self) -> None:
         with self._cond:
@@ -371,6 +413,10 @@ class EmbeddedEngine:
         names = [f"{kind}_token_{suffix}" for kind in ("image", "video", "audio") for suffix in ("id", "index")]
         found = {getattr(source, name, None) for source in sources for name in names}
         return tuple(sorted(i for i in found if isinstance(i, int) and 0 <= i < self.vocab_size))
+
+    def _ends(self, job: _Job) -> bool:
+        """Whether a running job stops at this step with finish_reason "abort", keeping what it generated."""
+        return self._closed or job.aborted or job.aborts_seen < self._aborts or job.future.cancelled()
 
     def _abort(self, job: _Job) -> None:
         """Ends `job`: at once if it is still queued, else at its batch's next step (see `_BatchDecoder`)."""
@@ -641,7 +687,7 @@ class EmbeddedEngine:
             reason = finish_reason(
                 row.output_ids, job.request.sampling, decode=self.loaded.decode,
                 stop_id=token in self.eos_token_ids or token in job.request.sampling.stop_token_ids,
-                aborted=self._closed or job.aborted or job.future.cancelled(),
+                aborted=self._ends(job),
             )
             if reason is None:
                 going.append(i)
@@ -662,7 +708,7 @@ class EmbeddedEngine:
             device=self.device,
             generator=self._generator,
             decode=self.loaded.decode,
-            aborted=lambda i: self._closed or jobs[i].aborted or jobs[i].future.cancelled(),
+            aborted=lambda i: self._ends(jobs[i]),
             never=self.placeholder_token_ids,
         )
         config = GenerationConfig(

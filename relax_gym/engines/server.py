@@ -18,7 +18,14 @@ share one served model. What differs from SGLang, by necessity:
   `rank_offset`; received tensors load through the same checked path as the other
   updates, between batches (generation goes on while they arrive). Refused:
   `load_format` (flattened buckets) and `abort_all_requests=true`.
-- `/pause_generation` lets the running batch finish; queued requests wait.
+- `/pause_generation` takes SGLang's modes but "retract": "abort" (the default)
+  answers running requests with finish_reason "abort" and their tokens so far
+  (message "Aborted"), queued ones with none ("Abort in waiting queue"); "in_place"
+  lets the running batch finish, where SGLang would hold it. Requests arriving
+  while paused wait for `/continue_generation`. As in SGLang, `/flush_cache` is
+  refused (400) while requests run, and so is a weight update with
+  `flush_cache: true` (its default), where SGLang before 0.5.22 fails an
+  assertion in its scheduler.
 - `weight_version` is a string of the engine's integer version, as SGLang's is a
   string; here it only goes up (an update with an older version is refused).
 
@@ -46,7 +53,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -72,6 +79,7 @@ from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
+from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.errors import StartupError
 
@@ -173,12 +181,14 @@ class GenerateIn(BaseModel):
 class UpdateFromDiskIn(BaseModel):
     model_path: Text
     weight_version: int | Text | None = None
+    flush_cache: bool = True
 
 
 class UpdateFromTensorIn(BaseModel):
     safetensors_b64: str | None = None
     serialized_named_tensors: Any = None
     weight_version: int | Text | None = None
+    flush_cache: bool = True
 
 
 GroupName = Annotated[Text, Field(min_length=1, max_length=256)]
@@ -231,7 +241,13 @@ class DestroyGroupIn(BaseModel):
 
 
 class PauseIn(BaseModel):
-    mode: Text = "in_place"
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+#: why an update that asks for a cache flush is refused while requests run
+UNFLUSHABLE = ("flush_cache: requests are running, so the cache cannot be flushed after the update (SGLang before "
+               "0.5.22 fails an assertion in its scheduler here, later ones fail the update): pause in abort mode "
+               "and flush first, or send flush_cache: false")
 
 
 def _field_error(err: dict[str, Any]) -> str:
@@ -308,14 +324,18 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
 
 
 def _finish_reason(
-    engine: EmbeddedEngine, out: GenerateOutput, params: SamplingParams, timeout_s: float
+    engine: EmbeddedEngine, out: GenerateOutput, params: SamplingParams, timeout_s: float, elapsed_s: float
 ) -> dict[str, Any]:
-    """SGLang's finish_reason object: what matched for "stop", the length for "length"."""
+    """SGLang's finish_reason object: what matched for "stop", the length for "length", for "abort" SGLang's
+    messages when a pause (or the server closing) ended the request, else this server's timeout."""
     if out.finish_reason == "length":
         return {"type": "length", "length": len(out.output_ids)}
     if out.finish_reason == "abort":
-        message = f"aborted: the request ran past the server's request_timeout_s ({timeout_s:g} s) or it closed"
-        return {"type": "abort", "message": message}
+        if elapsed_s < timeout_s:
+            message = PAUSE_ABORTED if out.output_ids else PAUSE_ABORTED_QUEUED
+        else:
+            message = f"aborted: the request ran past the server's request_timeout_s ({timeout_s:g} s)"
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
     last = out.output_ids[-1]
     if last in engine.eos_token_ids or last in params.stop_token_ids:
         return {"type": "stop", "matched": last}
@@ -327,7 +347,7 @@ def _answer(
     engine: EmbeddedEngine, body: GenerateIn, out: GenerateOutput, started: float, timeout_s: float
 ) -> dict[str, Any]:
     params = body.sampling_params.to_params()
-    finish = _finish_reason(engine, out, params, timeout_s)
+    finish = _finish_reason(engine, out, params, timeout_s, time.perf_counter() - started)
     text = engine.loaded.decode(out.output_ids, skip_special_tokens=body.sampling_params.skip_special_tokens)
     if isinstance(finish.get("matched"), str) and not body.sampling_params.no_stop_trim:
         text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
@@ -406,7 +426,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDiskIn) -> JSONResponse:
-        return await _update(body.model_path, body.weight_version)
+        return await _update(body.model_path, body.weight_version, body.flush_cache)
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(body: UpdateFromTensorIn) -> JSONResponse:
@@ -419,9 +439,11 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             tensors = load_safetensors(base64.b64decode(body.safetensors_b64, validate=True))
         except Exception as err:
             raise BadRequest(f"safetensors_b64: not base64 of a safetensors file: {err}") from err
-        return await _update(tensors, body.weight_version)
+        return await _update(tensors, body.weight_version, body.flush_cache)
 
-    async def _update(weights: Any, version: int | str | None) -> JSONResponse:
+    async def _update(weights: Any, version: int | str | None, flush_cache: bool) -> JSONResponse:
+        if flush_cache and engine.busy:  # SGLang flushes after the update and cannot while requests run
+            return JSONResponse({"success": False, "message": UNFLUSHABLE}, status_code=400)
         try:
             await engine.update_weights(weights, _version(version, engine.weight_version))
         except (RequestError, BadRequest) as err:
@@ -469,7 +491,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         except Exception as err:  # the trainer went away, or the group's timeout
             raise EngineError(f"receiving from group {body.group_name!r} failed ({err}); no weights were changed. "
                               "Destroy the group and make it again.") from err
-        return await _update(dict(zip(body.names, tensors, strict=True)), body.weight_version)
+        return await _update(dict(zip(body.names, tensors, strict=True)), body.weight_version, body.flush_cache)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyGroupIn) -> JSONResponse:
@@ -487,10 +509,11 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.post("/pause_generation")
     async def pause(body: PauseIn | None = None) -> dict[str, Any]:
-        if body is not None and body.mode != "in_place":
-            raise BadRequest(f"mode: only 'in_place' is supported (the running batch finishes), got {body.mode!r}")
-        await engine.pause()
-        return {"success": True, "message": "Generation paused."}
+        mode = "abort" if body is None else body.mode
+        if mode == "retract":
+            raise BadRequest("mode: 'retract' is not supported here; 'abort' (the default) or 'in_place'")
+        await engine.pause(abort=mode == "abort")
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def resume() -> dict[str, Any]:
@@ -499,7 +522,10 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        return PlainTextResponse("Cache flushed (the embedded engine keeps no cache between batches).")
+        """SGLang's answer: 200, or 400 while requests are running (queued ones of a paused server do not count)."""
+        if engine.busy:
+            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+        return PlainTextResponse("Cache flushed.")
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -542,7 +568,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     async def server_info() -> dict[str, Any]:
         return {
             "version": __version__,
-            "backend": "relax_gym embedded (transformers)",
+            "backend": f"{SERVE_BACKEND} (transformers)",
             "model_path": name,
             "device": str(engine.device),
             "dtype": str(engine.model.dtype).removeprefix("torch."),

@@ -16,11 +16,19 @@ given, and never times out on its own, so a pool smaller than the run's
 concurrency cannot abort requests. `connect()` resumes a server left paused by
 a trainer that was killed between `pause()` and `resume()`.
 
-With a real SGLang server: `pause()` sends mode "in_place" (SGLang holds running
-requests rather than finishing them: it has no drain mode), a state-dict
-`update_weights` needs this project's `/update_weights_from_tensor` payload (so
-use a folder path there), and a non-integer `weight_version` (SGLang's default
-is "default") leaves `weight_version` at the last integer this client set.
+A weight update pauses as slime does: `pause()` sends mode "abort" (running
+requests end at once with the tokens they have, queued ones with none) and
+retries `/flush_cache` until the server is idle; the update then asks for no
+flush of its own (SGLang before 0.5.22 asserts when one fails). `generate` sends
+a request that a pause aborted on again, as its prompt plus its tokens so far,
+which waits for `resume()`; each token keeps the version it came from
+(`GenerateOutput.token_versions`, also read from SGLang's per-answer version
+spans). A state dict goes to `relax-gym serve` as base64 safetensors; SGLang's
+`/update_weights_from_tensor` takes only CUDA-IPC handles, so there a folder
+path (or the distributed routes) is needed. A non-integer `weight_version`
+(SGLang's initial one is "default") leaves `weight_version` at the last
+integer this client set. Seeds are sent in 31 bits, and `connect()` warns when
+the server ignores them (SGLang without `--enable-deterministic-inference`).
 The distributed routes (`init_weights_update_group` and the rest) send SGLang's own
 bodies, so `relax_gym.trainer.weight_publish` drives either server the same way.
 """
@@ -65,6 +73,16 @@ logger = logging.getLogger("relax_gym.engines")
 OUTAGE_STATUSES = frozenset({502, 503, 504})
 #: seconds an unreachable server is waited for by default (`rollout.engine_outage_timeout_s` reads it here)
 OUTAGE_TIMEOUT_S = 120.0
+#: SGLang's finish_reason messages for requests that an abort-mode pause ended, running and queued: the client
+#: sends the rest of such a request again, which waits for the pause to end
+PAUSE_ABORTED = "Aborted"
+PAUSE_ABORTED_QUEUED = "Abort in waiting queue"
+#: how `relax-gym serve`'s /get_server_info names its backend
+SERVE_BACKEND = "relax_gym embedded"
+#: times one request is resumed after pauses before the client gives up on it
+MAX_RESUMES = 16
+#: seconds `pause` retries /flush_cache, which SGLang refuses while aborted requests are still winding down
+FLUSH_TIMEOUT_S = 60.0
 
 
 def backoff_delay(attempt: int, first_s: float = 0.5, cap_s: float = 5.0) -> float:
@@ -106,6 +124,28 @@ def _version(value: Any, fallback: int) -> int:
     return fallback
 
 
+def _paused_abort(body: dict[str, Any]) -> bool:
+    """Whether an answer is a request that a pause aborted (SGLang's abort_all), not one refused or timed out."""
+    finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+    return (finish.get("type") == "abort" and finish.get("status_code") is None
+            and finish.get("message") in (PAUSE_ABORTED, PAUSE_ABORTED_QUEUED))
+
+
+def _span_versions(meta: dict[str, Any], tokens: int, before: int) -> list[int] | None:
+    """Per-token versions from SGLang's `weight_versions` spans (0.5.21+: [{version, start, end}], `end`
+    exclusive), when they cover the output and differ; None otherwise (every token has `weight_version`).
+    A version that is not a number (SGLang's initial "default") is `before`, the one the client last knew."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return None
+    out: list[int] = []
+    for span in spans:
+        out += [_version(span.get("version"), before)] * (int(span["end"]) - int(span["start"]))
+    if len(out) != tokens or len(set(out)) < 2:
+        return None
+    return out
+
+
 def _client_of(base_url: str, settings: dict[str, Any]) -> SGLangEngine:
     return SGLangEngine(base_url, **settings)
 
@@ -124,6 +164,7 @@ class SGLangEngine:
         retries: int | None = None,
         max_connections: int | None = None,
         api_key: str | None = None,
+        flush_timeout_s: float = FLUSH_TIMEOUT_S,
     ) -> None:
         """`timeout_s` bounds one request's reads; `outage_timeout_s` how long one call waits out an unreachable
         server (`retries`, if given, also caps its retries); `max_connections=None` leaves the pool unlimited,
@@ -135,13 +176,15 @@ class SGLangEngine:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retries = retries
+        self.flush_timeout_s = flush_timeout_s
         self._version = 0
+        self._serve: bool | None = None  # whether the server is relax-gym serve (`_takes_safetensors`)
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
         api_key = api_key if api_key is not None else api_key_from_env()
         self._settings = {"timeout_s": timeout_s, "outage_timeout_s": outage_timeout_s, "backoff_s": backoff_s,
                           "max_backoff_s": max_backoff_s, "retries": retries, "max_connections": max_connections,
-                          "api_key": api_key}
+                          "api_key": api_key, "flush_timeout_s": flush_timeout_s}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
@@ -173,9 +216,33 @@ class SGLangEngine:
         answer 200 while paused."""
         await self.resume()
         await self._request("GET", "/health", None)
+        await self._warn_if_unseeded()
         return await self.model_info()
 
+    async def _takes_safetensors(self) -> bool:
+        """Whether the server is `relax-gym serve`, whose /update_weights_from_tensor also takes a state dict as
+        base64 safetensors (SGLang's takes only `serialized_named_tensors`); asked once."""
+        if self._serve is None:
+            info = (await self._request("GET", "/get_server_info", None)).json()
+            self._serve = str(info.get("backend", "")).startswith(SERVE_BACKEND)
+        return self._serve
+
+    async def _warn_if_unseeded(self) -> None:
+        """SGLang honours `sampling_seed` only when launched with --enable-deterministic-inference; without it a
+        run's samples are not reproducible, which is worth one line (relax-gym serve always honours seeds)."""
+        try:
+            info = (await self._request("GET", "/get_server_info", None)).json()
+        except (EngineError, ValueError):
+            return  # an older server without the route: nothing to say
+        if info.get("enable_deterministic_inference") is False:
+            logger.warning("server at %s ignores per-request seeds (sampling_seed): its samples will not repeat "
+                           "from run to run; launch it with --enable-deterministic-inference to seed them",
+                           self.base_url)
+
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as
+        the prompt plus its tokens so far with the rest of its budget, and waits for the pause to end. Each
+        part keeps the version it was generated with (`GenerateOutput.token_versions`)."""
         if request.mm_inputs and not (request.images or request.audios):
             raise RequestError("mm_inputs cannot be sent over HTTP: pass the images / audios themselves")
         payload: dict[str, Any] = {
@@ -189,8 +256,26 @@ class SGLangEngine:
             payload["image_data"] = [png_data_url(image) for image in request.images]
         if request.audios:
             payload["audio_data"] = [wav_data_url(wave, rate) for wave, rate in request.audios]
-        body = (await self._request("POST", "/generate", payload)).json()
-        return self._output(body, len(request.input_ids))
+        budget = request.sampling.max_new_tokens
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for _ in range(MAX_RESUMES + 1):
+            body = (await self._request("POST", "/generate", payload)).json()
+            part = self._output(body, len(request.input_ids))
+            ids += part.output_ids
+            logprobs += part.logprobs
+            versions += part.versions()
+            if not (_paused_abort(body) and len(ids) < budget):
+                break
+            payload = {**payload, "input_ids": [*request.input_ids, *ids],
+                       "sampling_params": {**payload["sampling_params"], "max_new_tokens": budget - len(ids)}}
+        else:
+            raise EngineError(f"server at {self.base_url}: request {request.rid!r} was aborted by {MAX_RESUMES + 1} "
+                              "pauses in a row")
+        token_versions = versions if len(set(versions)) > 1 else None
+        return GenerateOutput(ids, logprobs, part.finish_reason, part.weight_version, len(request.input_ids),
+                              token_versions)
 
     def _output(self, body: dict[str, Any], prompt_tokens: int) -> GenerateOutput:
         meta = body.get("meta_info") or {}
@@ -201,23 +286,30 @@ class SGLangEngine:
         reason = (meta.get("finish_reason") or {}).get("type")
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"server at {self.base_url}: unexpected finish_reason {meta.get('finish_reason')!r}")
-        self._version = _version(meta.get("weight_version"), self._version)
-        return GenerateOutput(
-            ids, [float(p[0]) for p in pairs], reason, self._version, int(meta.get("prompt_tokens", prompt_tokens))
-        )
+        before, self._version = self._version, _version(meta.get("weight_version"), self._version)
+        return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version,
+                              int(meta.get("prompt_tokens", prompt_tokens)), _span_versions(meta, len(ids), before))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """A folder path goes through /update_weights_from_disk, a state dict through
         /update_weights_from_tensor as base64 safetensors (understood by `relax-gym serve`)."""
+        payload: dict[str, Any]
         if isinstance(weights, (str, os.PathLike)):
             route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
         elif isinstance(weights, Mapping):
+            if not await self._takes_safetensors():
+                raise RequestError(
+                    f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor "
+                    "takes CUDA-IPC handles from a process on its own GPU, not a state dict over HTTP: send a folder "
+                    "(weight_sync: disk) or broadcast the weights (weight_sync: distributed)")
             # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
             blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
             route, payload = "/update_weights_from_tensor", {"safetensors_b64": base64.b64encode(blob).decode()}
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
-        body = (await self._request("POST", route, {**payload, "weight_version": str(version)})).json()
+        # flush_cache false: `pause` flushed already, and SGLang asserts (before 0.5.22) when a flush fails
+        payload |= {"weight_version": str(version), "flush_cache": False}
+        body = (await self._request("POST", route, payload)).json()
         if not body.get("success", False):
             raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
         self._version = version
@@ -246,6 +338,7 @@ class SGLangEngine:
             "shapes": [[int(n) for n in shape] for shape in shapes],
             "group_name": group_name,
             "weight_version": str(version),
+            "flush_cache": False,  # as in `update_weights`
         }
         route = "/update_weights_from_distributed"
         self._succeeded(route, await self._request("POST", route, payload))
@@ -261,7 +354,22 @@ class SGLangEngine:
             raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
 
     async def pause(self) -> None:
-        await self._request("POST", "/pause_generation", {"mode": "in_place"})
+        """SGLang's abort mode, as slime pauses: running requests end now with what they have (their `generate`
+        calls send the rest again, which waits for `resume`), then /flush_cache is retried until the server is
+        idle, so the weight update that follows needs no flush of its own."""
+        await self._request("POST", "/pause_generation", {"mode": "abort"})
+        deadline = time.monotonic() + self.flush_timeout_s
+        attempt = 0
+        while True:
+            try:
+                await self._request("POST", "/flush_cache", None)
+                return
+            except RequestError as err:  # 400: requests are still winding down
+                attempt += 1
+                if time.monotonic() >= deadline:
+                    raise EngineError(f"server at {self.base_url} was not idle {self.flush_timeout_s:g} s after "
+                                      f"an abort-mode pause (/flush_cache kept refusing): {err}") from None
+                await asyncio.sleep(min(backoff_delay(attempt, 0.05, 1.0), max(deadline - time.monotonic(), 0)))
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", {})

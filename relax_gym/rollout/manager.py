@@ -264,7 +264,7 @@ class _Episode:
                 return
             finally:
                 self.timing["generate_s"] += time.perf_counter() - start
-            action = self.conv.append_generation(out.output_ids, out.logprobs, out.weight_version, m.eos_ids)
+            action = self.conv.append_generation(out.output_ids, out.logprobs, out.versions(), m.eos_ids)
             if out.finish_reason == "abort":
                 self.end("aborted", "engine aborted the request")
                 return

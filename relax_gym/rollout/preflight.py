@@ -133,7 +133,7 @@ def run_case(loaded: LoadedModel, name: str, prompt: list[Message], tools: list[
         conv = ConversationTokens.start(loaded, prompt, tools)
         for text, env_messages in turns:
             ids = tok(text, add_special_tokens=False)["input_ids"] + [end]
-            conv.append_generation(ids, [0.0] * len(ids), 0, stops)
+            conv.append_generation(ids, [0.0] * len(ids), [0] * len(ids), stops)
             if env_messages:
                 conv.append_observation(env_messages)
         rerendered = conv.rerendered_ids()

@@ -167,17 +167,19 @@ class ConversationTokens:
         self.segments.append(Segment(kind, start, len(self.token_ids), self.turns, text,  # type: ignore[arg-type]
                                      list(range(first_media, len(self.media)))))
 
-    def append_generation(self, output_ids: list[int], logprobs: list[float], version: int,
+    def append_generation(self, output_ids: list[int], logprobs: list[float], versions: list[int],
                           eos_ids: set[int] | frozenset[int]) -> str:
-        """Adds the policy's tokens (trained) and returns the assistant text the env receives."""
-        if len(output_ids) != len(logprobs):
-            raise ValueError(f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs")
+        """Adds the policy's tokens (trained), with each one's logprob and weight version, and returns the
+        assistant text the env receives."""
+        if not len(output_ids) == len(logprobs) == len(versions):
+            raise ValueError(f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs and "
+                             f"{len(versions)} versions")
         self.turns += 1
         start = len(self.token_ids)
         self.token_ids += output_ids
         self.loss_mask += [1] * len(output_ids)
         self.logprobs += [float(x) for x in logprobs]
-        self.versions += [version] * len(output_ids)
+        self.versions += versions
         self._ended_by_stop = bool(output_ids) and output_ids[-1] in eos_ids
         body = output_ids[:-1] if self._ended_by_stop else output_ids
         content = self.loaded.decode(body)
