@@ -39,6 +39,8 @@ def test_loads_with_defaults_and_overrides(base):
         ("trainer.backend=jax", "trainer.backend"),
         ("rollout.temperature=0", "rollout.temperature"),
         ("envs.0.kwarg={}", "Did you mean 'envs.0.kwargs'"),
+        ("rollout.engine_device=tpu", "rollout.engine_device"),
+        ("rollout.engine_device=cuda:99", "CUDA device(s) on this machine"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(base, override, needle):

@@ -482,3 +482,33 @@ def test_media_placeholders_are_never_sampled(name, token):
     assert logits.argmax() == placeholder
     expected = teacher_forced(loaded, request, greedy.output_ids)
     assert (expected - torch.tensor(greedy.logprobs)).abs().max() <= 1e-4
+
+
+def test_the_engine_moves_its_model_to_the_device_it_is_given():
+    """`rollout.engine_device`: "auto" is the CPU on a machine without a GPU; a device torch lacks is refused."""
+    from relax_gym.engines.embedded import engine_device
+
+    loaded = load_model("tiny")
+    engine = EmbeddedEngine(loaded, device=engine_device("auto" if not torch.cuda.is_available() else "cpu"))
+    try:
+        assert engine.device == torch.device("cpu") and next(loaded.model.parameters()).dtype == torch.float32
+        assert len(_run(engine.generate(GenerateRequest([5, 6], GREEDY))).output_ids) == GREEDY.max_new_tokens
+    finally:
+        _run(engine.close())
+    with pytest.raises(ValueError, match="not a device"):
+        engine_device("tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_engine_serves_in_bfloat16_and_matches_a_teacher_forced_forward():
+    loaded = load_model("tiny")
+    engine = EmbeddedEngine(loaded, device="cuda")
+    request = GenerateRequest([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
+    try:
+        out = _run(engine.generate(request))
+    finally:
+        _run(engine.close())
+    assert engine.device.type == "cuda" and next(loaded.model.parameters()).dtype == torch.bfloat16
+    forced = teacher_forced(loaded, request, out.output_ids).cpu()
+    assert (forced - torch.tensor(out.logprobs)).abs().max() < 0.05  # bf16: same model, batched vs unbatched

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from relax_gym.cpu_threads import ThreadPlacement, check_cores
 from relax_gym.engines.base import SamplingParams
-from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching
+from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching, engine_device
 from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
 from relax_gym.rollout.manager import MAX_CONCURRENCY, RolloutLimits
@@ -89,6 +89,15 @@ class RolloutConfig(_Strict):
     #: the embedded engine's batching: "continuous" (requests join a running batch; text-only models, others
     #: batch statically whatever this says) or "static" (one `generate` per batch, runs to its longest row)
     engine_batching: Batching = "continuous"
+    #: where the embedded engine runs: "auto" (the first GPU if torch sees one, else the CPU), "cpu", "cuda",
+    #: "cuda:N"; on a GPU it serves in bfloat16
+    engine_device: str = "auto"
+
+    @field_validator("engine_device")
+    @classmethod
+    def _device_here(cls, value: str) -> str:
+        engine_device(value)
+        return value
 
     @model_validator(mode="after")
     def _engine_named(self) -> RolloutConfig:

@@ -43,13 +43,16 @@ class EngineSettings(Protocol):
     @property
     def engine_batching(self) -> Batching: ...
 
+    @property
+    def engine_device(self) -> str: ...
+
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
                 placement: ThreadPlacement | None = None) -> Engine:
     """The engine `settings.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
     is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
-    engine over `loaded` (its worker thread placed by `placement`)."""
+    engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`)."""
     if settings.engine == "sglang" and settings.engine_urls:
         from relax_gym.engines.router import EngineRouter
         from relax_gym.engines.sglang import SGLangEngine
@@ -62,7 +65,8 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
 
         return SGLangEngine(settings.engine_url, outage_timeout_s=settings.engine_outage_timeout_s,
                             max_connections=None)
-    from relax_gym.engines.embedded import EmbeddedEngine
+    from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 
     return EmbeddedEngine(loaded, max_batch_size=settings.engine_max_batch_size, seed=seed,
-                          batching=settings.engine_batching, placement=placement)
+                          batching=settings.engine_batching, placement=placement,
+                          device=engine_device(settings.engine_device))
