@@ -165,8 +165,13 @@ def test_token_logprobs_gradient_and_chunking():
     masked[..., -1] = -torch.inf
     ids = ids.clamp(max=5)
     logprobs, entropy = token_logprobs(masked.requires_grad_(), ids, with_entropy=True, chunk_rows=4)
-    (logprobs.sum() + entropy.sum()).backward()
+    (logprobs.sum() + 3 * entropy.sum()).backward()  # an entropy weight over 1 once made 0 * -inf = NaN
     assert torch.isfinite(logprobs).all() and torch.isfinite(entropy).all() and torch.isfinite(masked.grad).all()
+    assert (masked.grad[..., -1] == 0).all()
+    far = masked.detach().clone().nan_to_num(neginf=-1e4).requires_grad_()  # p = 0 there too, in fp64
+    logprobs, entropy = token_logprobs(far, ids, with_entropy=True, chunk_rows=4)
+    (logprobs.sum() + 3 * entropy.sum()).backward()
+    assert torch.allclose(masked.grad, far.grad)
 
 
 def test_pack_micro_batches_is_greedy_in_order():

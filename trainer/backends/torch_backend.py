@@ -63,12 +63,12 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = logits.shape[0]
-        lse = logits.new_empty(rows, dtype=_compute_dtype(logits))
+        lse = logits.new_empty(rows, dtype=compute_dtype(logits))
         logprobs = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, start + chunk_rows)
-            logp = _scaled(logits[chunk], temperature)
+            logp = scaled_logits(logits[chunk], temperature)
             lse[chunk] = torch.logsumexp(logp, dim=-1)
             # Clamping -inf logits (masked vocabulary) keeps 0 * log 0 at 0 rather than NaN.
             logp.sub_(lse[chunk, None]).clamp_(min=torch.finfo(logp.dtype).min)
@@ -85,27 +85,34 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             chunk = slice(start, start + ctx.chunk_rows)
-            logp = _scaled(logits[chunk], ctx.temperature)
-            logp.sub_(lse[chunk, None]).clamp_(min=torch.finfo(logp.dtype).min)
+            p = scaled_logits(logits[chunk], ctx.temperature).sub_(lse[chunk, None]).exp_()
             g_lp = grad_logprobs[chunk, None]
-            # d log p_y / dz = onehot(y) - p;  d H / dz = -p * (log p + H)
-            coeff = -g_lp
-            if ctx.with_entropy:
-                coeff = coeff - grad_entropy[chunk, None] * (logp + entropy[chunk, None])
-            g_z = logp.exp_().mul_(coeff)
+            g_z = softmax_grad(p, g_lp, grad_entropy[chunk, None] if ctx.with_entropy else None,
+                                entropy[chunk, None])
             g_z.scatter_add_(-1, targets[chunk, None], g_lp)
             grad[chunk] = g_z.div_(ctx.temperature)
         return grad, None, None, None, None
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+def softmax_grad(p: torch.Tensor, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
+                  entropy: torch.Tensor) -> torch.Tensor:
+    """The gradient of `grad_logprob * log p_y + grad_entropy * H` w.r.t. the scaled logits, less the one-hot
+    term (the caller adds `grad_logprob` at y): d log p_y / dz = onehot(y) - p, d H / dz = -p (log p + H).
+    `p log p` is `xlogy(p, p)`, 0 where a masked logit makes p 0, so no 0 * -inf turns the gradient NaN.
+    Reuses `p`'s storage."""
+    if grad_entropy is None:
+        return p.mul_(-grad_logprob)
+    return torch.special.xlogy(p, p).add_(p * entropy).mul_(-grad_entropy).sub_(p.mul_(grad_logprob))
+
+
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for bf16 / fp16 logits (log-probabilities need it), else the logits' own (fp64 stays fp64)."""
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """A fresh copy of `logits / temperature` in the compute dtype, safe to modify in place."""
-    return logits.to(_compute_dtype(logits)).div(temperature)
+    return logits.to(compute_dtype(logits)).div(temperature)
 
 
 def token_logprobs(
