@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ ACTIVE_WEIGHT_TOL = 1e-5
 #: in g; measured ≤ 1.3e-4 = 0.013 lr
 ANY_WEIGHT_TOL = 0.1 * LR
 #: torchrun layouts (name → script arguments); each is one 2-process run, ~20 s on 2 CPU cores
-LAYOUTS = {"tp2": ["--tp", "2"], "dp2": [], "pp2": ["--pp", "2"]}
+LAYOUTS = {"tp2": ["--tp", "2", "--logprob-chunk-rows", "5"], "dp2": [], "pp2": ["--pp", "2"]}
 RUN_TIMEOUT_S = 300
 
 
@@ -186,6 +187,60 @@ def test_protocol_and_bad_input() -> None:
         backend.logprobs(bad)
     with pytest.raises(ValueError, match="world size 1"):
         _backend(load_model("tiny").model, tp=2)
+
+
+def test_chunked_vocab_parallel_logprobs_equal_the_torch_backends_values_and_gradients() -> None:
+    """At TP=1, a chunk of 3 rows at a time: the same logprobs, entropy and gradients as the torch backend's
+    `token_logprobs`, with a masked (-inf) vocabulary entry and a temperature (TP=2 runs in the `tp2` layout)."""
+    from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
+    from relax_gym.trainer.backends.torch_backend import token_logprobs
+
+    _backend(load_model("tiny").model)  # megatron's parallel state, TP=1
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 50, generator=generator, dtype=torch.float64) * 3
+    logits[0, 2, 5] = -torch.inf
+    input_ids = torch.randint(0, 50, (2, 7), generator=generator)
+    weights = torch.randn(2, 2, 7, generator=generator, dtype=torch.float64)
+    results = []
+    for fn in (partial(vocab_parallel_token_logprobs, chunk_rows=3), token_logprobs):
+        leaf = logits.clone().requires_grad_()
+        logprobs, entropy = fn(leaf, input_ids, 0.7, with_entropy=True)
+        ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), leaf.grad))
+    for ours, reference in zip(*results, strict=True):
+        assert torch.allclose(ours, reference, atol=1e-10), (ours - reference).abs().max()
+
+
+def test_sdpa_core_attention_equals_megatrons_dot_product_attention() -> None:
+    """The same outputs and input gradients as the local spec's `DotProductAttention`: causal, grouped-query
+    heads (4 heads over 2 groups), with and without an explicit padding mask."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from relax_gym.trainer.backends.megatron import compat
+    from relax_gym.trainer.backends.megatron.sdpa_attention import SDPAttention
+
+    _backend(load_model("tiny").model)  # megatron's parallel state, TP=1
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0, masked_softmax_fusion=False)
+    generator = torch.Generator().manual_seed(0)
+    s, b = 9, 2
+    inputs = [torch.randn(s, b, heads, 16, generator=generator) for heads in (4, 2, 2)]
+    padding = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    padding[1, ..., -3:] = True  # the second row's last 3 keys are padding
+    for mask in (None, padding):
+        outs = []
+        for cls in (SDPAttention, DotProductAttention):
+            attention = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+            with compat.cuda_on_cpu():  # megatron's score buffer is made on the CUDA device
+                out = attention(*leaves, mask if cls is SDPAttention or mask is None else mask | causal)
+            out.square().sum().backward()
+            outs.append([out.detach(), *(leaf.grad for leaf in leaves)])
+        for ours, theirs in zip(*outs, strict=True):
+            assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
 
 
 # --- TP=2, DP=2, PP=2 under torch.distributed.run ----------------------------------------------

@@ -25,6 +25,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--logprob-chunk-rows", type=int, help="rows of the logprob's working chunk (default: "
+                        "its memory budget's, one chunk for the tiny model)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args()
@@ -35,6 +37,10 @@ def main() -> None:
 
     hf_model = load_model("tiny").model.eval()
     import_s = time.perf_counter() - t0
+    if args.logprob_chunk_rows:
+        from relax_gym.trainer.backends.megatron import vocab_logprobs
+
+        vocab_logprobs.CHUNK_ELEMENTS = args.logprob_chunk_rows * hf_model.config.vocab_size // args.tp
 
     def make_backend() -> MegatronBackend:
         return MegatronBackend(hf_model, tp=args.tp, pp=args.pp, lr=LR, weight_decay=WEIGHT_DECAY,

@@ -5,8 +5,8 @@ the same arguments (SPMD, as under `torchrun`): the full list of samples goes
 to every rank, each data-parallel rank takes a token-balanced share, and the
 results (logprobs, metrics, HF weights) come back complete on every rank. The
 data-parallel size is what the world size leaves after TP × PP. Without a
-process group (a plain single process) the backend starts a one-rank gloo
-group itself.
+process group (a plain single process) the backend starts a one-rank group
+itself (NCCL on a GPU, gloo on the CPU).
 
 Training. The step runs through megatron's own forward/backward schedule
 (micro-batches, pipeline p2p, DDP gradient reduction), its distributed Adam
@@ -18,8 +18,9 @@ backend reports its losses to the schedule with a token count of 0 under
 `calculate_per_token_loss`, which makes megatron leave them unscaled.
 
 Logprobs are computed on the vocabulary-parallel logits without gathering
-them: max, sum-exp and the target logit are reduced over the TP group with
-megatron's differentiable all-reduce, so entropy bonuses train through TP too.
+them, a chunk of rows at a time (`vocab_logprobs`): max, sum-exp and the target
+logit are reduced over the TP group, and the backward pass recomputes each
+chunk's softmax, so entropy bonuses train through TP too.
 
 Checkpoints are `torch.save` files (weights per model-parallel rank,
 optimizer shards and RNG per rank), loadable into the same (TP, PP, DP) layout.
@@ -71,6 +72,7 @@ from relax_gym.trainer.backends.base import (
 )
 from relax_gym.trainer.backends.megatron import compat
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
+from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import check_saved, safe_load
 
@@ -78,44 +80,6 @@ ModelSource = str | Path | LoadedModel | PreTrainedModel
 
 #: bump when the checkpoint layout changes (2: RNG states as plain data, loaded without unpickling code)
 CHECKPOINT_FORMAT = 2
-
-
-def vocab_parallel_token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token `log_softmax(logits / T)` of the next token (+ entropy) from vocab-parallel logits: the
-    tensor-parallel counterpart of the torch backend's `token_logprobs`, with its arguments (bar `chunk_rows`)
-    and alignment.
-
-    `logits` is [B, S, V/tp] (this rank's vocabulary slice), `input_ids` [B, S].
-    Returns [B, S] tensors aligned as the contract says: position t scores token
-    t given tokens < t, position 0 is 0. Differentiable through the TP reductions.
-    """
-    logits = logits[:, :-1].float() / temperature
-    target = input_ids[:, 1:]
-    group = mpu.get_tensor_model_parallel_group()
-    reduce = partial(tensor_parallel.reduce_from_tensor_model_parallel_region, group=group)  # sum; grad passes
-    vocab_start = mpu.get_tensor_model_parallel_rank() * logits.size(-1)
-
-    with torch.no_grad():  # any shift works for a log-sum-exp; the global max keeps exp() in range
-        shift = logits.max(dim=-1, keepdim=True).values
-        if mpu.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - shift
-    exp = shifted.exp()
-    sum_exp = reduce(exp.sum(dim=-1))
-    log_z = sum_exp.log()
-
-    local = target - vocab_start
-    here = (local >= 0) & (local < logits.size(-1))
-    picked = shifted.gather(-1, local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce(picked * here)
-    logprobs = torch.nn.functional.pad(target_logit - log_z, (1, 0))
-    if not with_entropy:
-        return logprobs, None
-    expected = reduce((exp * shifted).sum(dim=-1))
-    entropy = torch.nn.functional.pad(log_z - expected / sum_exp, (1, 0))
-    return logprobs, entropy
 
 
 @dataclass
@@ -142,14 +106,15 @@ def _check(samples: Sequence[Sample], temperature: float) -> None:
 
 
 def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
-    """A process group (torchrun's, or a one-rank gloo group) and megatron's parallel state."""
+    """A process group (torchrun's, or one rank's own) and megatron's parallel state."""
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:  # one rank; on a GPU NCCL, whose collectives megatron's grad buffers use (gloo lacks or emulates them)
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp) or (dp is not None and dp * tp * pp != world):
         raise ValueError(f"world size {world} is not tp ({tp}) × pp ({pp}) × dp ({dp or 'any'})")

@@ -7,7 +7,8 @@ the subclasses below carry the six fixes they need (measured, see
 PLATFORM.md), each marked `fix N` where it is made:
 
 1. the layer spec: TE's spec is always requested → the local spec
-   (`use_transformer_engine=False`, torch RMSNorm), which runs anywhere;
+   (`use_transformer_engine=False`, torch RMSNorm), which runs anywhere, with
+   torch's SDPA as core attention (`SDPAttention`: no full score matrix);
 2. `rope_theta` moved to `config.rope_parameters["rope_theta"]` in transformers 5;
 3. names: the local spec has separate `input_layernorm` / `pre_mlp_layernorm`
    modules where TE fuses them into the linears → two extra name mappings;
@@ -35,10 +36,12 @@ from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.models.qwen2 import Qwen2Bridge
 from mbridge.models.qwen3 import Qwen3Bridge
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from transformers import PretrainedConfig
 
 from relax_gym.trainer.backends.megatron import compat
+from relax_gym.trainer.backends.megatron.sdpa_attention import SDPAttention
 
 WeightSource = Path | Mapping[str, torch.Tensor]
 
@@ -98,11 +101,17 @@ class _LocalSpecFixes(Bridge):
         return super()._build_base_config(text_config_key, **{**local, **kwargs})
 
     def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> ModuleSpec:
-        """fix 1: megatron-core's own modules instead of Transformer Engine's."""
+        """fix 1: megatron-core's own modules instead of Transformer Engine's, with SDPA as core attention (the
+        local `DotProductAttention` builds the full score matrix)."""
         self.has_vp_stage = True  # read by mbridge's model provider; megatron-core ≥ 0.13 takes vp_stage
-        return get_gpt_decoder_block_spec(
+        block = get_gpt_decoder_block_spec(
             self.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
         )
+        for layer in block.layer_specs:
+            attention = layer.submodules.self_attention.submodules
+            if attention.core_attention is DotProductAttention:
+                attention.core_attention = SDPAttention
+        return block
 
     def _get_gptmodel_args(self) -> dict[str, Any]:
         """fix 2: transformers 5 keeps the RoPE base in `rope_parameters`; only plain RoPE maps."""
