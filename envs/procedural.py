@@ -64,6 +64,18 @@ def evaluate_expression(source: str) -> tuple[Fraction, list[int]]:
         raise ValueError(f"not an arithmetic expression ({type(err).__name__})") from err
 
 
+def chain_value(terms: list[int], ops: list[str]) -> int:
+    """The value of `terms[0] ops[0] terms[1] ...` over + - * with the usual precedence, as `evaluate_expression`
+    gives it, without parsing: a run resets an env per episode, and the parse was half of each reset."""
+    total, sign, product = 0, 1, terms[0]
+    for op, term in zip(ops, terms[1:], strict=True):
+        if op == "*":
+            product *= term
+        else:
+            total, sign, product = total + sign * product, 1 if op == "+" else -1, term
+    return total + sign * product
+
+
 class ArithmeticEnv(SingleTurnEnv):
     """Integer arithmetic like `7 + 3 * 5`; reward 1 for the exact integer."""
 
@@ -83,11 +95,11 @@ class ArithmeticEnv(SingleTurnEnv):
 
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
-        terms = [str(int(n)) for n in rng.integers(low, 10**self.digits, size=self.n_terms)]
+        terms = [int(n) for n in rng.integers(low, 10**self.digits, size=self.n_terms)]
         # the draws of `rng.choice(list(self.ops))`, without building an array of strings each time
         ops = [self.ops[rng.integers(0, len(self.ops))] for _ in range(self.n_terms - 1)]
-        expression = " ".join([terms[0], *(f"{op} {term}" for op, term in zip(ops, terms[1:], strict=True))])
-        value, _ = evaluate_expression(expression)
+        expression = " ".join([str(terms[0]), *(f"{op} {term}" for op, term in zip(ops, terms[1:], strict=True))])
+        value = chain_value(terms, ops)
         how = "Reply with just the integer." if self.answer_format == "plain" else "Put the final answer in \\boxed{}."
         return {"prompt": f"What is {expression}? {how}", "answer": int(value)}
 

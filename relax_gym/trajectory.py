@@ -14,7 +14,7 @@ import base64
 import io
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
@@ -86,8 +86,9 @@ class Trajectory:
 
     # --- JSON -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mm_inputs", "media", "segments")}
-        out["segments"] = [asdict(s) for s in self.segments]
+        """A JSON-ready dict; it shares the trajectory's lists (no deep copy: a run writes every trajectory)."""
+        out = {name: getattr(self, name) for name in _JSON_FIELDS}
+        out["segments"] = [dict(vars(s)) for s in self.segments]
         out["media"] = [media_to_json(m) for m in self.media]
         return out
 
@@ -98,6 +99,10 @@ class Trajectory:
         data["media"] = [media_from_json(m) for m in data.get("media", [])]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: the fields `to_json` writes as they are (media are encoded, segments flattened, processor outputs left out)
+_JSON_FIELDS = tuple(f.name for f in fields(Trajectory) if f.name not in ("mm_inputs", "media", "segments"))
 
 
 def media_to_json(item: Any) -> dict[str, Any]:
@@ -126,13 +131,14 @@ def media_from_json(item: dict[str, Any]) -> Any:
 
 
 def append_jsonl(f: TextIO, trajectories: Iterable[Trajectory], **fields: Any) -> int:
-    """Writes one JSON line per trajectory to the open text file `f`, flushing each, so a run that dies keeps every
-    line before; `fields` (e.g. a training step) go ahead of the record's own (`read_jsonl` ignores them).
+    """Writes one JSON line per trajectory to the open text file `f` in one write, then flushes, so a run that
+    dies keeps every call's lines before (a training step's, a rollout group's); `fields` (e.g. a training step)
+    go ahead of the record's own (`read_jsonl` ignores them).
 
     The one writer of trajectory JSONL (`relax-gym rollout`, a run's trajectories.jsonl, `write_jsonl`). Text
     is kept as UTF-8 rather than \\u escapes, unless it holds a lone surrogate, which UTF-8 cannot encode.
     """
-    count = 0
+    lines = []
     for traj in trajectories:
         record = {**fields, **traj.to_json()}
         line = json.dumps(record, ensure_ascii=False)
@@ -141,14 +147,14 @@ def append_jsonl(f: TextIO, trajectories: Iterable[Trajectory], **fields: Any) -
                 line.encode("utf-8")
             except UnicodeEncodeError:
                 line = json.dumps(record)
-        f.write(line + "\n")
-        f.flush()
-        count += 1
-    return count
+        lines.append(line + "\n")
+    f.write("".join(lines))
+    f.flush()
+    return len(lines)
 
 
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
-    """Writes `path` anew, one flushed line per trajectory (`append_jsonl`)."""
+    """Writes `path` anew, one line per trajectory (`append_jsonl`)."""
     with Path(path).open("w", encoding="utf-8") as f:
         return append_jsonl(f, trajectories)
 

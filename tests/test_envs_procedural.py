@@ -7,10 +7,12 @@ import math
 
 import pytest
 from gymnasium.utils.env_checker import check_env
+from hypothesis import given
+from hypothesis import strategies as st
 
 import relax_gym
 from relax_gym.core import EpisodeOverError
-from relax_gym.envs.procedural import evaluate_expression, last_integer
+from relax_gym.envs.procedural import chain_value, evaluate_expression, last_integer
 
 MALFORMED = ["", "garbage %$#@!", "<answer>", "<answer></answer>", "<answer>" + "(" * 500 + "</answer>",
              "\\boxed{", "9" * 200_000, "-" * 100_000]  # fmt: skip
@@ -237,3 +239,10 @@ def test_guess_number_state_round_trip_resumes_identically():
     env.set_state(state)  # the snapshot was not changed by the steps taken after it
     assert [env.step(a) for a in plan] == expected
     assert env.supports_state
+
+
+@given(st.lists(st.integers(0, 999), min_size=2, max_size=6), st.data())
+def test_chain_value_equals_the_parsed_expressions_value(terms, data):
+    ops = data.draw(st.lists(st.sampled_from("+-*"), min_size=len(terms) - 1, max_size=len(terms) - 1))
+    expression = " ".join([str(terms[0]), *(f"{op} {term}" for op, term in zip(ops, terms[1:], strict=True))])
+    assert chain_value(terms, ops) == evaluate_expression(expression)[0]
