@@ -11,8 +11,9 @@ starts a run must guard its entry point with `if __name__ == "__main__":`, as fo
 worker (the `relax-gym` command does). It builds the same
 backend `make_backend` builds, placed on `cpu.trainer`'s cores, and answers the `TrainBackend` calls
 sent over a pipe, one at a time. Arguments and results travel by cloudpickle (a loss function may be a
-closure); tensors by value. An exception in the child is re-raised here as itself, with the child's
-traceback in its notes; a child that dies ends the call with `TrainerProcessError`, naming its exit code.
+closure); tensors by value, except the weights, which the child writes into shared memory. An exception in the
+child is re-raised here as itself, with the child's traceback in its notes; a child that dies ends the call
+with `TrainerProcessError`, naming its exit code.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import contextlib
 import multiprocessing as mp
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import torch
+import torch.multiprocessing  # registers the shared-memory tensor reductions with ForkingPickler
 
 from relax_gym.cpu_threads import ThreadPlacement
 from relax_gym.errors import RunStopped
@@ -55,20 +58,30 @@ def _serve(conn: Connection, cfg_json: str, placement: ThreadPlacement) -> None:
         conn.send_bytes(cloudpickle.dumps((False, _with_trace(err))))
         return
     conn.send_bytes(cloudpickle.dumps((True, backend.version)))
+    shared: dict[str, torch.Tensor] = {}  # the weights in shared memory (`ProcessBackend.hf_state_dict`)
     while True:
         method, args, kwargs = cloudpickle.loads(conn.recv_bytes())
         if method == "stop":
             return
+        dumps = cloudpickle.dumps
         try:
             if method == "set_version":
                 backend.version = args[0]
                 result: Any = None
+            elif method == "share_weights":  # once: shared-memory copies, sent as handles (ForkingPickler)
+                shared = {name: tensor.detach().to("cpu", copy=True).share_memory_()
+                          for name, tensor in backend.hf_state_dict().items()}
+                result, dumps = shared, ForkingPickler.dumps
+            elif method == "export_weights":  # each step after: the weights written into the shared copies
+                for name, tensor in backend.hf_state_dict().items():
+                    shared[name].copy_(tensor)
+                result = None
             else:
                 result = getattr(backend, method)(*args, **kwargs)
             reply: tuple[bool, Any] = (True, (result, backend.version))
         except BaseException as err:
-            reply = (False, _with_trace(err))
-        conn.send_bytes(cloudpickle.dumps(reply))
+            reply, dumps = (False, _with_trace(err)), cloudpickle.dumps
+        conn.send_bytes(dumps(reply))
 
 
 def _with_trace(err: BaseException) -> BaseException:
@@ -92,6 +105,7 @@ class ProcessBackend:
             self._process.join(10)
             raise value
         self._version: int = value
+        self._shared: dict[str, torch.Tensor] | None = None  # the child's weights in shared memory
 
     @property
     def version(self) -> int:
@@ -137,7 +151,14 @@ class ProcessBackend:
         return self._call("train_step", samples, loss_fn, temperature=temperature)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._call("hf_state_dict")
+        """The child writes its weights into shared memory (set up on the first call) and this process copies
+        them out: no pickling of the weights on either side, which in an async run cost the rollout's process
+        milliseconds of its GIL each step."""
+        if self._shared is None:
+            self._shared = self._call("share_weights")
+        else:
+            self._call("export_weights")
+        return {name: tensor.clone() for name, tensor in self._shared.items()}
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         self._call("save_checkpoint", path, extra)
