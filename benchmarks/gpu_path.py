@@ -1,0 +1,223 @@
+"""The GPU path's figures on random-weight models of real shapes: engine and trainer speed, the engine-trainer
+logprob gap, weight-sync speed and the longest trainable sequence. `scripts/gpu_check.sh` runs it on a GPU;
+`--shape tiny` runs the same code on a CPU in seconds (what the test suite checks).
+
+For one shape (Qwen3-0.6B, -1.7B, -4B layouts with their 151,936-token vocabulary; weights random, built in
+code, nothing downloaded), on `--device` (default: the GPU if there is one), it prints one markdown table:
+
+- engine tokens/s: `--requests` prompts of `--prompt-tokens` random ids, `--new-tokens` sampled each, through
+  the embedded engine (continuous batching) against one batched HF `generate` of the same prompts (the ratio);
+- trainer tokens/s and MFU: `TorchBackend.train_step` on `--train-seqs` sequences of `--train-len` tokens
+  (the last quarter trained), MFU = 6 × parameters × tokens/s / `--peak-tflops` (H100 bf16 dense: 989);
+- logprob gap: the engine's sampled-token logprobs against the trainer's recomputation of the same tokens
+  (mean and max |difference|), which in bf16 is the off-policy noise every GPU run carries;
+- weight sync: seconds per GB for `EmbeddedEngine.update_weights` from the trainer's `hf_state_dict()`;
+- longest trainable sequence: the longest one-sequence train step (doubling, then bisecting) before the
+  device runs out of memory (GPU only).
+
+    python benchmarks/gpu_path.py --shape tiny                  # any machine: does it run
+    python benchmarks/gpu_path.py --shape qwen3-0.6b            # on a GPU
+    python benchmarks/gpu_path.py --shape qwen3-4b --train-seqs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from relax_gym.engines import EmbeddedEngine, GenerateOutput, GenerateRequest, SamplingParams
+from relax_gym.models import LoadedModel, build_tokenizer
+from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
+from relax_gym.trainer.backends.torch_backend import TorchBackend
+from relax_gym.trainer.batch import Sample
+
+#: Qwen3 layouts (hidden, layers, heads, kv heads, intermediate); head_dim 128 and the vocabulary are shared
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "tiny": (64, 2, 4, 2, 128),
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072),
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144),
+    "qwen3-4b": (2560, 36, 32, 8, 9728),
+}
+VOCAB = 151_936
+
+
+def build(shape: str) -> LoadedModel:
+    """A random-weight Qwen3 of `shape` in fp32 on the CPU (the engine and the trainer move their copies)."""
+    hidden, layers, heads, kv_heads, intermediate = SHAPES[shape]
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=128 if shape != "tiny" else 16,
+        max_position_embeddings=40_960, tie_word_embeddings=shape == "qwen3-0.6b",
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return LoadedModel(Qwen3ForCausalLM(config).eval(), tokenizer, None, ("text",), f"random {shape}")
+
+
+def clone(loaded: LoadedModel) -> LoadedModel:
+    model = Qwen3ForCausalLM(loaded.model.config)
+    model.load_state_dict(loaded.model.state_dict())
+    return replace(loaded, model=model.eval())
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, VOCAB, (n, length), generator=generator).tolist()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+async def generate(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+
+async def engine_tokens_per_s(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> float:
+    await engine.generate(replace(requests[0], sampling=replace(requests[0].sampling, max_new_tokens=2)))  # warm-up
+    start = time.perf_counter()
+    outputs = await generate(engine, requests)
+    return sum(len(o.output_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def rollout_sample(request: GenerateRequest, out: GenerateOutput) -> Sample:
+    """What the trainer gets for one engine output: the prompt (not trained), then the sampled tokens."""
+    return Sample(token_ids=request.input_ids + out.output_ids,
+                  loss_mask=[0] * len(request.input_ids) + [1] * len(out.output_ids),
+                  rollout_logprobs=[0.0] * len(request.input_ids) + out.logprobs)
+
+
+def hf_generate_tokens_per_s(model: torch.nn.Module, ids: list[list[int]], new_tokens: int) -> float:
+    device = next(model.parameters()).device
+    batch = torch.tensor(ids, device=device)
+    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(batch[:1], attention_mask=torch.ones_like(batch[:1]), max_new_tokens=2, **kwargs)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, **kwargs)
+        synchronize(device)
+    return (out.shape[1] - batch.shape[1]) * batch.shape[0] / (time.perf_counter() - start)
+
+
+def logprob_gap(sample: Sample, recomputed: torch.Tensor) -> torch.Tensor:
+    """|engine logprob - trainer logprob| of each sampled token."""
+    trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    return (recomputed.float().cpu()[trained] - torch.tensor(sample.rollout_logprobs)[trained]).abs()
+
+
+def train_samples(n: int, length: int) -> list[Sample]:
+    trained = max(1, length // 4)
+    return [Sample(token_ids=ids, loss_mask=[0] * (length - trained) + [1] * trained,
+                   rollout_logprobs=[0.0] * (length - trained) + [-1.0] * trained, advantage=1.0 if i % 2 else -1.0)
+            for i, ids in enumerate(prompts(n, length, seed=1))]
+
+
+def longest_trainable(backend: TorchBackend, loss_fn: Any, limit: int) -> int:
+    """The longest single sequence one train step takes before CUDA runs out of memory (0 on other devices)."""
+    if backend.device.type != "cuda":
+        return 0
+
+    def fits(length: int) -> bool:
+        try:
+            backend.train_step(train_samples(1, length), loss_fn)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    low, high = 0, 1024
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 256:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--train-seqs", type=int, default=16)
+    parser.add_argument("--train-len", type=int, default=2048)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's bf16 dense peak (H100: 989)")
+    parser.add_argument("--longest-limit", type=int, default=131_072)
+    args = parser.parse_args()
+    if args.shape == "tiny":
+        args.requests, args.prompt_tokens, args.new_tokens, args.train_seqs, args.train_len = 4, 16, 8, 4, 32
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    base = build(args.shape)
+    params = sum(p.numel() for p in base.model.parameters())
+    rows: list[tuple[str, str]] = [("shape", f"{args.shape} ({params / 1e9:.2f} B parameters)"),
+                                   ("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")]
+
+    engine_model = clone(base)
+    engine = EmbeddedEngine(engine_model, device=device, max_batch_size=args.requests)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    ids = prompts(args.requests, args.prompt_tokens)
+    requests = [GenerateRequest(p, replace(sampling, seed=i)) for i, p in enumerate(ids)]
+    try:
+        engine_tps = asyncio.run(engine_tokens_per_s(engine, requests))
+        hf_tps = hf_generate_tokens_per_s(engine.model, ids, args.new_tokens)
+        rows += [("engine tokens/s (continuous batching)", f"{engine_tps:,.0f}"),
+                 ("HF generate tokens/s (one batch)", f"{hf_tps:,.0f}"),
+                 ("engine / HF generate", f"{engine_tps / hf_tps:.2f}x")]
+
+        backend = TorchBackend(clone(base), lr=1e-6, device=device,
+                               micro_batch_tokens=args.train_seqs * args.train_len)
+        loss_fn = make_loss_fn(AlgorithmConfig())
+        samples = train_samples(args.train_seqs, args.train_len)
+        backend.train_step(samples, loss_fn)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        backend.train_step(samples, loss_fn)
+        synchronize(device)
+        train_tps = args.train_seqs * args.train_len / (time.perf_counter() - start)
+        rows.append(("trainer tokens/s (fwd + bwd + AdamW)", f"{train_tps:,.0f}"))
+        if device.type == "cuda":
+            rows.append(("trainer MFU", f"{6 * params * train_tps / (args.peak_tflops * 1e12):.1%}"))
+
+        state = backend.hf_state_dict()
+        asyncio.run(engine.update_weights(state, 1))  # the trainer's weights (two steps on) into the engine
+        generated = [rollout_sample(r, o) for r, o in zip(requests, asyncio.run(generate(engine, requests)),
+                                                            strict=True)]
+        recomputed = backend.logprobs(generated, temperature=1.0)
+        gaps = torch.cat([logprob_gap(s, out.logprobs) for s, out in zip(generated, recomputed, strict=True)])
+        rows += [("logprob gap engine vs trainer, mean", f"{gaps.mean():.2e}"),
+                 ("logprob gap engine vs trainer, max", f"{gaps.max():.2e}")]
+
+        gigabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+        start = time.perf_counter()
+        asyncio.run(engine.update_weights(backend.hf_state_dict(), 2))
+        synchronize(device)
+        rows.append(("weight sync, in-process state dict", f"{(time.perf_counter() - start) / gigabytes:.2f} s/GB "
+                                                           f"({gigabytes:.2f} GB)"))
+        if device.type == "cuda":
+            rows.append(("longest trainable sequence (1 per step)",
+                         f"{longest_trainable(backend, loss_fn, args.longest_limit):,} tokens"))
+    finally:
+        asyncio.run(engine.close())
+    print("| measure | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
