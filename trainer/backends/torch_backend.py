@@ -82,27 +82,34 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, targets, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            chunk = slice(start, start + ctx.chunk_rows)
-            p = scaled_logits(logits[chunk], ctx.temperature).sub_(lse[chunk, None]).exp_()
-            g_lp = grad_logprobs[chunk, None]
-            g_z = softmax_grad(p, g_lp, grad_entropy[chunk, None] if ctx.with_entropy else None,
-                                entropy[chunk, None])
-            g_z.scatter_add_(-1, targets[chunk, None], g_lp)
-            grad[chunk] = g_z.div_(ctx.temperature)
+        grad = logprob_grad(logits, targets, None, lse, entropy, grad_logprobs,
+                            grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.chunk_rows)
         return grad, None, None, None, None
 
 
-def softmax_grad(p: torch.Tensor, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor | None,
-                  entropy: torch.Tensor) -> torch.Tensor:
-    """The gradient of `grad_logprob * log p_y + grad_entropy * H` w.r.t. the scaled logits, less the one-hot
-    term (the caller adds `grad_logprob` at y): d log p_y / dz = onehot(y) - p, d H / dz = -p (log p + H).
-    `p log p` is `xlogy(p, p)`, 0 where a masked logit makes p 0, so no 0 * -inf turns the gradient NaN.
-    Reuses `p`'s storage."""
-    if grad_entropy is None:
-        return p.mul_(-grad_logprob)
-    return torch.special.xlogy(p, p).add_(p * entropy).mul_(-grad_entropy).sub_(p.mul_(grad_logprob))
+def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, here: torch.Tensor | None, lse: torch.Tensor,
+                 entropy: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                 temperature: float, chunk_rows: int) -> torch.Tensor:
+    """d(grad_logprobs · log p_target + grad_entropy · H) / d logits for rows of logits [N, V] under
+    softmax(logits / T), each chunk's softmax recomputed from its row's log-sum-exp `lse` (and entropy `H`).
+
+    d log p_y / dz = onehot(y) - p and d H / dz = -p (log p + H), with `p log p` as `xlogy(p, p)`: 0 where a
+    masked logit makes p 0, so no 0 * -inf turns the gradient NaN. The logits may be one rank's slice of the
+    vocabulary, `targets` indices into it and `here` whether each row's target is in it (None: all are);
+    `lse` and `H` are then the whole vocabulary's, and the gradient needs nothing else from other ranks."""
+    grad = torch.empty_like(logits)
+    for start in range(0, logits.shape[0], chunk_rows):
+        chunk = slice(start, start + chunk_rows)
+        p = scaled_logits(logits[chunk], temperature).sub_(lse[chunk, None]).exp_()
+        g_lp = grad_logprobs[chunk, None]
+        if grad_entropy is None:
+            g_z = p.mul_(-g_lp)
+        else:
+            g_z = (torch.special.xlogy(p, p).add_(p * entropy[chunk, None]).mul_(-grad_entropy[chunk, None])
+                   .sub_(p.mul_(g_lp)))
+        g_z.scatter_add_(-1, targets[chunk, None], g_lp if here is None else g_lp * here[chunk, None])
+        grad[chunk] = g_z.div_(temperature)
+    return grad
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:

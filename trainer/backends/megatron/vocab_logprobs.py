@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from relax_gym.trainer.backends.torch_backend import compute_dtype, scaled_logits, softmax_grad
+from relax_gym.trainer.backends.torch_backend import compute_dtype, logprob_grad, scaled_logits
 
 #: elements of one fp32 [rows, V/tp] working chunk (128 MiB), whatever the vocabulary and sequence length
 CHUNK_ELEMENTS = 2**25
@@ -70,16 +70,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local, here, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            chunk = slice(start, start + ctx.chunk_rows)
-            p = scaled_logits(logits[chunk], ctx.temperature).sub_(lse[chunk, None]).exp_()
-            g_lp = grad_logprobs[chunk, None]
-            # per element, given the global lse and H
-            g_z = softmax_grad(p, g_lp, grad_entropy[chunk, None] if ctx.with_entropy else None,
-                                entropy[chunk, None])
-            g_z.scatter_add_(-1, local[chunk, None], g_lp * here[chunk, None])
-            grad[chunk] = g_z.div_(ctx.temperature)
+        grad = logprob_grad(logits, local, here, lse, entropy, grad_logprobs,
+                            grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.chunk_rows)
         return grad, None, None, None, None
 
 
