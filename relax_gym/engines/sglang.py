@@ -260,7 +260,7 @@ class SGLangEngine:
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        for _ in range(MAX_RESUMES + 1):
+        for resumes in range(MAX_RESUMES + 1):
             body = (await self._request("POST", "/generate", payload)).json()
             part = self._output(body, len(request.input_ids))
             ids += part.output_ids
@@ -270,6 +270,8 @@ class SGLangEngine:
                 break
             payload = {**payload, "input_ids": [*request.input_ids, *ids],
                        "sampling_params": {**payload["sampling_params"], "max_new_tokens": budget - len(ids)}}
+            if request.rid is not None:  # a request id of its own: SGLang refuses one it still tracks
+                payload["rid"] = f"{request.rid}-resume{resumes + 1}"
         else:
             raise EngineError(f"server at {self.base_url}: request {request.rid!r} was aborted by {MAX_RESUMES + 1} "
                               "pauses in a row")
