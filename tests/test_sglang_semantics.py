@@ -155,7 +155,7 @@ def test_per_token_versions_come_from_sglangs_weight_version_spans():
 
 
 def test_seeds_go_to_sglang_in_31_bits():
-    """The rollout's 56-bit seeds overflow SGLang's older int32 sampling paths: the low 31 bits are sent."""
+    """A seed beyond 31 bits would overflow SGLang 0.5.6's int32 sampling seed: the low 31 bits are sent."""
     assert SamplingParams(seed=2**55 + 2**31 + 5).to_sglang()["sampling_seed"] == 5
     assert SamplingParams(seed=7).to_sglang()["sampling_seed"] == 7
     assert "sampling_seed" not in SamplingParams().to_sglang()

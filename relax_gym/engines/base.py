@@ -43,8 +43,8 @@ class EngineGoneError(EngineUnavailableError):
     """The engine's process is gone (killed, crashed, removed): another engine may take the request."""
 
 
-#: `sampling_seed` as sent: the low 31 bits of a request's seed, since older SGLang sampling paths hold it in an
-#: int32 (the embedded engine in this process takes the whole seed)
+#: seeds as every engine takes them: SGLang 0.5.6's sampler holds `sampling_seed` in an int32, so the rollout
+#: manager draws 31-bit seeds and the SGLang client sends the low 31 bits of any other
 SGLANG_SEED_MASK = 2**31 - 1
 
 

@@ -19,7 +19,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from relax_gym.core import Env
-from relax_gym.engines.base import Engine, EngineError, EngineUnavailableError, GenerateRequest, SamplingParams
+from relax_gym.engines.base import (
+    SGLANG_SEED_MASK,
+    Engine,
+    EngineError,
+    EngineUnavailableError,
+    GenerateRequest,
+    SamplingParams,
+)
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
 from relax_gym.registration import make
@@ -244,7 +251,10 @@ class _Episode:
                 sampling = replace(sampling, max_new_tokens=budget)
             if m.sampling_seed is not None:
                 key = f"{m.sampling_seed}/{self.seed}/{self.member}/{self.conv.turns}".encode()
-                sampling = replace(sampling, seed=int.from_bytes(hashlib.blake2b(key, digest_size=7).digest()))
+                # 31 bits: what every engine takes as it is (SGLang 0.5.6 holds the seed in an int32), so an
+                # in-process engine and a served one sample the same tokens
+                seed = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest()) & SGLANG_SEED_MASK
+                sampling = replace(sampling, seed=seed)
             request = GenerateRequest(
                 input_ids=list(self.conv.token_ids),
                 sampling=sampling,
