@@ -363,8 +363,7 @@ class EmbeddedEngine:
                 self._aborts += 1
                 queued = list(self._jobs)
                 self._jobs.clear()
-        for job in queued:
-            job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
+        self._end_unstarted(queued)
         await asyncio.to_thread(self._wait_idle)
 
     @property
@@ -426,6 +425,11 @@ class EmbeddedEngine:
             if queued:
                 self._jobs.remove(job)
         if queued:
+            self._end_unstarted([job])
+
+    def _end_unstarted(self, jobs: list[_Job]) -> None:
+        """Answers jobs taken off the queue before they ran: finish_reason "abort", no tokens."""
+        for job in jobs:
             job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
 
     def _check_open(self) -> None:
@@ -573,8 +577,7 @@ class EmbeddedEngine:
             jobs, updates = list(self._jobs), list(self._updates)
             self._jobs.clear()
             self._updates.clear()
-        for job in jobs:
-            job.resolve(GenerateOutput([], [], "abort", self._version, len(job.request.input_ids)))
+        self._end_unstarted(jobs)
         for update in updates:
             _resolve(update.loop, update.future, EngineError("the embedded engine closed before the update"))
 
