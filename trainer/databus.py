@@ -107,27 +107,18 @@ class DataBus:
                         raise self.error
                     raise EOFError("the data bus closed before a full step's groups arrived")
                 group = self._ready.pop(0)
-                self._consume(group, self._verdict(group, at), batch)
-        return batch
-
-    def _verdict(self, group: Group, version: int) -> int | str:
-        """A group's staleness at `version` if it is trained, else why not: "stale" or "filtered"."""
-        staleness = group_staleness(group, version)
-        if staleness > self.max_staleness:
-            return "stale"
-        return staleness if self.keep(group) else "filtered"
-
-    def _consume(self, group: Group, verdict: int | str, batch: list[Group]) -> None:
-        """Counts a group taken off the ready list: into `batch` (an int verdict, its staleness) or discarded."""
-        if verdict == "stale":
-            self.dropped_stale += 1
-        elif verdict == "filtered":
-            self.filtered += 1
-        else:
-            self.staleness_histogram[int(verdict)] += 1
+                staleness = group_staleness(group, at)
+                if staleness > self.max_staleness:
+                    self.dropped_stale += 1
+                    self._discard(group)
+                    continue
+                if not self.keep(group):
+                    self.filtered += 1
+                    self._discard(group)
+                    continue
+            self.staleness_histogram[staleness] += 1
             batch.append(group)
-            return
-        self._discard(group)
+        return batch
 
     def _discard(self, group: Group) -> None:
         self.discarded += 1
