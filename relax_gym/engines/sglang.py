@@ -178,7 +178,7 @@ class SGLangEngine:
         self.retries = retries
         self.flush_timeout_s = flush_timeout_s
         self._version = 0
-        self._serve: bool | None = None  # whether the server is relax-gym serve (`_takes_safetensors`)
+        self._info: dict[str, Any] | None = None  # `_server_info`'s
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
         api_key = api_key if api_key is not None else api_key_from_env()
@@ -216,28 +216,23 @@ class SGLangEngine:
         answer 200 while paused."""
         await self.resume()
         await self._request("GET", "/health", None)
-        await self._warn_if_unseeded()
-        return await self.model_info()
-
-    async def _takes_safetensors(self) -> bool:
-        """Whether the server is `relax-gym serve`, whose /update_weights_from_tensor also takes a state dict as
-        base64 safetensors (SGLang's takes only `serialized_named_tensors`); asked once."""
-        if self._serve is None:
-            info = (await self._request("GET", "/get_server_info", None)).json()
-            self._serve = str(info.get("backend", "")).startswith(SERVE_BACKEND)
-        return self._serve
-
-    async def _warn_if_unseeded(self) -> None:
-        """SGLang honours `sampling_seed` only when launched with --enable-deterministic-inference; without it a
-        run's samples are not reproducible, which is worth one line (relax-gym serve always honours seeds)."""
-        try:
-            info = (await self._request("GET", "/get_server_info", None)).json()
-        except (EngineError, ValueError):
-            return  # an older server without the route: nothing to say
-        if info.get("enable_deterministic_inference") is False:
+        self._info = None  # the server may have been replaced since it was last read
+        if (await self._server_info()).get("enable_deterministic_inference") is False:
+            # SGLang honours `sampling_seed` only in that mode (relax-gym serve always does)
             logger.warning("server at %s ignores per-request seeds (sampling_seed): its samples will not repeat "
                            "from run to run; launch it with --enable-deterministic-inference to seed them",
                            self.base_url)
+        return await self.model_info()
+
+    async def _server_info(self) -> dict[str, Any]:
+        """/get_server_info (SGLang's launch arguments, or relax-gym serve's own), read once; {} from a server
+        without the route."""
+        if self._info is None:
+            try:
+                self._info = (await self._request("GET", "/get_server_info", None)).json()
+            except (RequestError, ValueError):
+                self._info = {}
+        return self._info
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as
@@ -299,7 +294,8 @@ class SGLangEngine:
         if isinstance(weights, (str, os.PathLike)):
             route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
         elif isinstance(weights, Mapping):
-            if not await self._takes_safetensors():
+            # relax-gym serve's /update_weights_from_tensor also takes base64 safetensors; SGLang's does not
+            if not str((await self._server_info()).get("backend", "")).startswith(SERVE_BACKEND):
                 raise RequestError(
                     f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor "
                     "takes CUDA-IPC handles from a process on its own GPU, not a state dict over HTTP: send a folder "
@@ -311,9 +307,7 @@ class SGLangEngine:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
         # flush_cache false: `pause` flushed already, and SGLang asserts (before 0.5.22) when a flush fails
         payload |= {"weight_version": str(version), "flush_cache": False}
-        body = (await self._request("POST", route, payload)).json()
-        if not body.get("success", False):
-            raise EngineError(f"server at {self.base_url} refused {route}: {body.get('message')}")
+        self._succeeded(route, await self._request("POST", route, payload))
         self._version = version
 
     async def init_weights_update_group(
