@@ -189,11 +189,17 @@ def test_protocol_and_bad_input() -> None:
         _backend(load_model("tiny").model, tp=2)
 
 
-def test_chunked_vocab_parallel_logprobs_equal_the_torch_backends_values_and_gradients() -> None:
-    """At TP=1, a chunk of 3 rows at a time: the same logprobs, entropy and gradients as the torch backend's
-    `token_logprobs`, with a masked (-inf) vocabulary entry and a temperature (TP=2 runs in the `tp2` layout)."""
+def test_chunked_vocab_parallel_logprobs_equal_autograd_through_log_softmax() -> None:
+    """At TP=1, a chunk of 3 rows at a time: the same logprobs, entropy and gradients as plain autograd through
+    `log_softmax`, with a masked (-inf) vocabulary entry (-1e4 in the reference, where autograd would make
+    0 * -inf) and a temperature (TP=2 runs in the `tp2` layout)."""
     from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
-    from relax_gym.trainer.backends.torch_backend import token_logprobs
+
+    def reference(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, *, with_entropy: bool):
+        logp = (logits.nan_to_num(neginf=-1e4) / temperature).log_softmax(-1)
+        picked = logp[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
+        return torch.nn.functional.pad(picked, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
 
     _backend(load_model("tiny").model)  # megatron's parallel state, TP=1
     generator = torch.Generator().manual_seed(0)
@@ -202,13 +208,13 @@ def test_chunked_vocab_parallel_logprobs_equal_the_torch_backends_values_and_gra
     input_ids = torch.randint(0, 50, (2, 7), generator=generator)
     weights = torch.randn(2, 2, 7, generator=generator, dtype=torch.float64)
     results = []
-    for fn in (partial(vocab_parallel_token_logprobs, chunk_rows=3), token_logprobs):
+    for fn in (partial(vocab_parallel_token_logprobs, chunk_rows=3), reference):
         leaf = logits.clone().requires_grad_()
         logprobs, entropy = fn(leaf, input_ids, 0.7, with_entropy=True)
         ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
         results.append((logprobs.detach(), entropy.detach(), leaf.grad))
-    for ours, reference in zip(*results, strict=True):
-        assert torch.allclose(ours, reference, atol=1e-10), (ours - reference).abs().max()
+    for ours, expected in zip(*results, strict=True):
+        assert torch.allclose(ours, expected, atol=1e-10), (ours - expected).abs().max()
 
 
 def test_sdpa_core_attention_equals_megatrons_dot_product_attention() -> None:
