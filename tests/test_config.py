@@ -62,6 +62,17 @@ def test_structural_errors_are_clear(tmp_path, base):
         load_config(base, ["rollout.engine=sglang"])
 
 
+def test_weights_go_to_servers_on_this_host_as_shared_tensors_unless_set(base):
+    def as_tensors(*overrides: str) -> bool:
+        return load_config(base, ["rollout.engine=sglang", *overrides]).rollout.weights_as_tensors()
+
+    assert as_tensors("rollout.engine_url=http://127.0.0.1:30000")
+    assert as_tensors("rollout.engine_urls=[http://localhost:1, 'http://[::1]:2']")
+    assert not as_tensors("rollout.engine_urls=[http://localhost:1, http://10.0.0.7:2]")
+    assert not as_tensors("rollout.engine_url=http://127.0.0.1:30000", "rollout.weight_sync=disk")
+    assert as_tensors("rollout.engine_url=http://gpu-node:30000", "rollout.weight_sync=tensor")
+
+
 def test_sync_mode_is_on_policy(base):
     assert load_config(base, ["trainer.mode=sync"]).trainer.max_staleness == 0
     with pytest.raises(ConfigError, match=r"mode=sync is on-policy: trainer.max_staleness must be 0, got 3"):

@@ -203,7 +203,8 @@ def test_media_as_data_urls_bare_base64_and_text_prompts(servers, references):
         ("/generate", {"input_ids": [1], "image_data": ["/etc/hostname"]}, "server paths are not read"),
         ("/update_weights_from_disk", {}, "model_path: Field required"),
         ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v2"}, "weight_version"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_b64"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "serialized_named_tensors: not a pickle"),
+        ("/update_weights_from_tensor", {}, "exactly one of serialized_named_tensors"),
         ("/update_weights_from_tensor", {"safetensors_b64": "!!"}, "safetensors_b64"),
         ("/pause_generation", {"mode": "retract"}, "mode"),
         ("/pause_generation", {"mode": "hold"}, "mode"),
@@ -271,6 +272,12 @@ def test_weight_updates_from_disk_and_tensors(tmp_path):
         assert torch.equal(engine.model.model.norm.weight, torch.ones(64))
         assert info["weight_version"] == "8" and info["model_path"] == "tiny" and info["is_generation"]
 
+        async def inline(client: SGLangEngine):  # as to a server on another host: base64 safetensors in the body
+            await client.update_weights({"model.norm.weight": torch.full((64,), 2.0)}, 9)
+
+        asyncio.run(_with_client(url, inline, share_tensors=False))
+        assert engine.weight_version == 9 and torch.equal(engine.model.model.norm.weight, torch.full((64,), 2.0))
+
 
 @pytest.mark.timeout(60)
 def test_pause_continue_health_and_info(servers):
@@ -302,8 +309,9 @@ def test_pause_continue_health_and_info(servers):
 
 @pytest.mark.timeout(120)
 def test_serve_in_a_subprocess_then_a_stopped_server_raises(tmp_path, references):
-    """`serve` on a saved checkpoint folder answers like the in-process engine; once it is stopped
-    the client raises an EngineError naming the URL, within its retry budget."""
+    """`serve` on a saved checkpoint folder answers like the in-process engine, takes a state dict shared from
+    this process (SGLang's serialized_named_tensors over shared memory); once it is stopped the client raises an
+    EngineError naming the URL, within its retry budget."""
     save_model(references["tiny"], tmp_path / "model")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -319,10 +327,17 @@ def test_serve_in_a_subprocess_then_a_stopped_server_raises(tmp_path, references
                 assert process.poll() is None, process.stderr.read().decode()
                 assert time.monotonic() < deadline, "serve did not come up"
                 await asyncio.sleep(0.2)
-            return await client.generate(request)
+            served = await client.generate(request)
+            await client.update_weights(trained.model.state_dict(), 5)  # shared memory: another process maps it
+            return served, await client.generate(request)
 
-        served = asyncio.run(_with_client(url, ready_then_generate))
+        trained = chaotic_model("tiny")
+        with torch.no_grad():
+            for param in trained.model.parameters():
+                param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+        served, updated = asyncio.run(_with_client(url, ready_then_generate))
         assert served.output_ids == _in_process(references["tiny"], request).output_ids
+        assert updated.weight_version == 5 and updated.output_ids == _in_process(trained, request).output_ids
     finally:
         process.terminate()
         process.wait(30)

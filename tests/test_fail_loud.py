@@ -407,12 +407,13 @@ def test_an_engine_that_dies_stops_the_run_with_its_last_step_logged_then_it_res
     logged = [r["step"] for r in train_rows(tmp_path / "run")]
     latest = int((tmp_path / "run" / "checkpoints" / "latest").read_text())
     assert logged == list(range(1, latest + 1))  # every trained step is logged and checkpointed, none lost
+    assert not (tmp_path / "run" / "weights").exists()  # a loopback server took them as shared tensors (auto)
 
     server = _serve(port)  # a fresh server, left paused as a killed trainer would leave it
     try:
         httpx.post(f"http://127.0.0.1:{port}/pause_generation", json={"mode": "in_place"}, timeout=10,
                    headers={"Authorization": "Bearer test-key"})
-        summary = train(load_config(cfg, [f"trainer.total_steps={latest + 2}"]))
+        summary = train(load_config(cfg, [f"trainer.total_steps={latest + 2}", "rollout.weight_sync=disk"]))
     finally:
         server.kill()
         server.wait(30)

@@ -18,7 +18,7 @@ from engine_support import AUTH, KEY, chaotic_model, make_request, serving, teac
 from safetensors.torch import save
 
 from relax_gym import messages as M
-from relax_gym.engines import RequestError, SamplingParams, SGLangEngine
+from relax_gym.engines import RequestError, SamplingParams, SGLangEngine, tensor_ipc
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED
 from relax_gym.models import LoadedModel
@@ -186,6 +186,9 @@ class RecordedSGLang:
                 return httpx.Response(200, text="Cache flushed.\nPlease check backend logs for more details. (When "
                                                 "there are running or waiting requests, the operation will not be "
                                                 "performed.)\n")
+            case "/update_weights_from_tensor":  # SGLang: each TP rank unpickles its entry and loads the tensors
+                self.received = [tensor_ipc.load(entry) for entry in body["serialized_named_tensors"]]
+                return httpx.Response(200, json={"success": True, "message": "Success"})
             case "/update_weights_from_disk":
                 return httpx.Response(200, json={"success": True, "message": "Succeeded to update model weights.",
                                                  "num_paused_requests": 0})
@@ -197,8 +200,8 @@ class RecordedSGLang:
                    "/get_model_info": {"model_path": "Qwen/Qwen3-0.6B", "is_generation": True}}
         return httpx.Response(200, json=answers[request.url.path])
 
-    def client(self) -> SGLangEngine:
-        client = SGLangEngine("http://127.0.0.1:9", backoff_s=0.01)
+    def client(self, **kwargs) -> SGLangEngine:
+        client = SGLangEngine("http://127.0.0.1:9", backoff_s=0.01, **kwargs)
         client._client = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(self))
         return client
 
@@ -212,16 +215,40 @@ def test_a_weight_update_pauses_in_abort_mode_waits_for_the_flush_and_updates_wi
         await client.pause()
         await client.update_weights("/weights/v3", 3)
         await client.resume()
-        with pytest.raises(RequestError, match=r"is SGLang.*weight_sync: disk"):
-            await client.update_weights({"lm_head.weight": torch.ones(2)}, 4)
 
     asyncio.run(_using(sglang.client(), push))
-    assert sglang.sent[:6] == [
+    assert sglang.sent == [
         ("/pause_generation", {"mode": "abort"}), *[("/flush_cache", None)] * 3,
         ("/update_weights_from_disk", {"model_path": "/weights/v3", "weight_version": "3", "flush_cache": False}),
         ("/continue_generation", {}),
     ]
-    assert [route for route, _ in sglang.sent[6:]] == ["/get_server_info"]  # the state dict was never sent
+
+
+def test_a_state_dict_goes_to_sglang_as_its_serialized_named_tensors_one_per_tp_rank():
+    """On this host the client sends SGLang's own payload, which each rank of a tp_size-2 server unpickles; a
+    server elsewhere cannot map this process's memory, and SGLang reads nothing else, so the client refuses."""
+    sglang = RecordedSGLang()
+    sglang.info["tp_size"] = 2
+    weights = {"lm_head.weight": torch.randn(4, 3), "model.norm.weight": torch.ones(3, dtype=torch.bfloat16)}
+
+    async def push(client: SGLangEngine) -> None:
+        await client.update_weights(weights, 4)
+
+    asyncio.run(_using(sglang.client(), push))
+    route, body = sglang.sent[-1]
+    assert route == "/update_weights_from_tensor" and len(body["serialized_named_tensors"]) == 2
+    assert {k: v for k, v in body.items() if k != "serialized_named_tensors"} == {"weight_version": "4",
+                                                                                  "flush_cache": False}
+    for rank in sglang.received:
+        assert rank.keys() == weights.keys() and all(torch.equal(rank[k], weights[k]) for k in weights)
+
+    async def refused(client: SGLangEngine) -> None:
+        with pytest.raises(RequestError, match=r"is SGLang.*share_tensors is off.*weight_sync: disk"):
+            await client.update_weights(weights, 5)
+
+    remote = RecordedSGLang()
+    asyncio.run(_using(remote.client(share_tensors=False), refused))
+    assert [route for route, _ in remote.sent] == ["/get_server_info"]  # the state dict was never sent
 
 
 async def _using(client: SGLangEngine, use) -> None:

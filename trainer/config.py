@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relax_gym.cpu_threads import ThreadPlacement, check_cores
-from relax_gym.engines.base import SamplingParams
+from relax_gym.engines.base import SamplingParams, is_loopback
 from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching, engine_device
 from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
@@ -92,6 +93,10 @@ class RolloutConfig(_Strict):
     #: where the embedded engine runs: "auto" (the first GPU if torch sees one, else the CPU), "cpu", "cuda",
     #: "cuda:N"; on a GPU it serves in bfloat16
     engine_device: str = "auto"
+    #: how trained weights reach engine servers (`engine: sglang`): "tensor" (the state dict through
+    #: /update_weights_from_tensor, shared in memory with a server on this host: CUDA IPC or shared memory),
+    #: "disk" (RUN_DIR/weights/vN, loaded by path), or "auto": tensor when every server URL is loopback
+    weight_sync: Literal["auto", "tensor", "disk"] = "auto"
 
     @field_validator("engine_device")
     @classmethod
@@ -106,6 +111,13 @@ class RolloutConfig(_Strict):
         if self.engine == "sglang" and not (self.engine_url or self.engine_urls):
             raise ValueError("rollout.engine=sglang needs rollout.engine_url or rollout.engine_urls")
         return self
+
+    def weights_as_tensors(self) -> bool:
+        """Whether the loop sends engine servers a state dict rather than a folder (`weight_sync`)."""
+        if self.weight_sync != "auto":
+            return self.weight_sync == "tensor"
+        urls = self.engine_urls or [self.engine_url or ""]
+        return all(is_loopback(httpx.URL(url).host) for url in urls)
 
     def sampling_params(self) -> SamplingParams:
         """Every request's sampling (the manager seeds and budgets each one)."""

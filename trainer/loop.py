@@ -614,7 +614,7 @@ class Trainer:
         try:
             await self.engine.pause()
             try:
-                if self.cfg.rollout.engine == "sglang":
+                if self.cfg.rollout.engine == "sglang" and not self.cfg.rollout.weights_as_tensors():
                     folder = self.run_dir / "weights" / f"v{self.step}"
                     self.loaded.model.load_state_dict(weights)
                     self.loaded.model.save_pretrained(folder)

@@ -8,6 +8,7 @@ report the policy version of the weights that produced the tokens.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -137,3 +138,13 @@ class Engine(Protocol):
     async def health(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine: a server bound there stays on it, one reached there shares its memory."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

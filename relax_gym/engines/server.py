@@ -9,9 +9,11 @@ share one served model. What differs from SGLang, by necessity:
   `relax_gym.models.render_ids` gives them. Only output logprobs are returned
   (`logprob_start_len` is accepted, input logprobs are not computed).
   `image_data` / `audio_data` items are data URLs or bare base64, never server paths.
-- `/update_weights_from_tensor` takes `{"safetensors_b64": <base64 of a
-  safetensors file>, "weight_version": ...}`: SGLang's own payload is pickled
-  CUDA IPC handles, meaningless across processes without its runtime.
+- `/update_weights_from_tensor` takes SGLang's `serialized_named_tensors`
+  (tensors shared from a process on this host: CUDA IPC handles, or shared
+  memory for CPU tensors; unpickled against an allowlist, see `tensor_ipc`), or
+  `{"safetensors_b64": <base64 of a safetensors file>}` from anywhere.
+  Refused: `load_format` (flattened buckets) and `abort_all_requests=true`.
 - `/init_weights_update_group`, `/update_weights_from_distributed` and
   `/destroy_weights_update_group` take SGLang's bodies: the server joins the
   trainer's named group (`weight_group`: gloo on CPU, NCCL on GPU) as one rank,
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import logging
 import math
 import os
@@ -66,6 +67,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from safetensors.torch import load as load_safetensors
 
 from relax_gym import __version__
+from relax_gym.engines import tensor_ipc
 from relax_gym.engines.base import (
     API_KEY_ENV,
     EngineError,
@@ -74,6 +76,7 @@ from relax_gym.engines.base import (
     RequestError,
     SamplingParams,
     api_key_from_env,
+    is_loopback,
 )
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
@@ -186,9 +189,23 @@ class UpdateFromDiskIn(BaseModel):
 
 class UpdateFromTensorIn(BaseModel):
     safetensors_b64: str | None = None
-    serialized_named_tensors: Any = None
+    #: SGLang's: one entry per tensor-parallel rank (this server is one rank), `tensor_ipc`'s pickles
+    serialized_named_tensors: list[str] | None = Field(None, min_length=1)
     weight_version: int | Text | None = None
     flush_cache: bool = True
+    abort_all_requests: bool = False
+    load_format: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> UpdateFromTensorIn:
+        if (self.safetensors_b64 is None) == (self.serialized_named_tensors is None):
+            raise ValueError("give exactly one of serialized_named_tensors (SGLang's: tensors shared on this host) "
+                             "and safetensors_b64 (base64 of a safetensors file of {name: tensor})")
+        if self.load_format is not None:
+            raise ValueError(f"load_format: only the default (named tensors), got {self.load_format!r}")
+        if self.abort_all_requests:
+            raise ValueError("abort_all_requests: only false (pause the server first)")
+        return self
 
 
 GroupName = Annotated[Text, Field(min_length=1, max_length=256)]
@@ -430,11 +447,13 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(body: UpdateFromTensorIn) -> JSONResponse:
-        if body.safetensors_b64 is None:
-            raise BadRequest(
-                "safetensors_b64: required (base64 of a safetensors file of {name: tensor}); SGLang's "
-                "serialized_named_tensors (pickled CUDA IPC handles) cannot be read by this server"
-            )
+        if body.serialized_named_tensors is not None:
+            try:  # the sender's memory: `_update` copies it into the model before answering
+                tensors = await asyncio.to_thread(tensor_ipc.load, body.serialized_named_tensors[0])
+            except ValueError as err:
+                raise BadRequest(f"serialized_named_tensors: {err}") from None
+            return await _update(tensors, body.weight_version, body.flush_cache)
+        assert body.safetensors_b64 is not None  # UpdateFromTensorIn's validator: exactly one payload
         try:
             tensors = load_safetensors(base64.b64decode(body.safetensors_b64, validate=True))
         except Exception as err:
@@ -594,16 +613,6 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, **kwarg
         timeout_graceful_shutdown=math.ceil(limits.drain_timeout_s),
         **kwargs,
     )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tuple[str, bool]:

@@ -23,9 +23,10 @@ flush of its own (SGLang before 0.5.22 asserts when one fails). `generate` sends
 a request that a pause aborted on again, as its prompt plus its tokens so far,
 which waits for `resume()`; each token keeps the version it came from
 (`GenerateOutput.token_versions`, also read from SGLang's per-answer version
-spans). A state dict goes to `relax-gym serve` as base64 safetensors; SGLang's
-`/update_weights_from_tensor` takes only CUDA-IPC handles, so there a folder
-path (or the distributed routes) is needed. A non-integer `weight_version`
+spans). A state dict goes to a server on this host as SGLang's `serialized_named_tensors`
+(`tensor_ipc`: CUDA IPC handles or shared memory, no copy through the body or the disk); to `relax-gym serve`
+elsewhere as base64 safetensors, which SGLang does not read (there a folder path or the distributed routes are
+needed). A non-integer `weight_version`
 (SGLang's initial one is "default") leaves `weight_version` at the last
 integer this client set. Seeds are sent in 31 bits, and `connect()` warns when
 the server ignores them (SGLang without `--enable-deterministic-inference`).
@@ -57,6 +58,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save
 
+from relax_gym.engines import tensor_ipc
 from relax_gym.engines.base import (
     EngineError,
     EngineUnavailableError,
@@ -64,6 +66,7 @@ from relax_gym.engines.base import (
     GenerateRequest,
     RequestError,
     api_key_from_env,
+    is_loopback,
 )
 from relax_gym.engines.weight_group import dtype_name
 
@@ -165,11 +168,15 @@ class SGLangEngine:
         max_connections: int | None = None,
         api_key: str | None = None,
         flush_timeout_s: float = FLUSH_TIMEOUT_S,
+        share_tensors: bool | None = None,
     ) -> None:
         """`timeout_s` bounds one request's reads; `outage_timeout_s` how long one call waits out an unreachable
         server (`retries`, if given, also caps its retries); `max_connections=None` leaves the pool unlimited,
         so it never caps the run's concurrency (size it to the run's concurrency otherwise). `api_key` (default:
-        the RELAX_GYM_API_KEY environment variable) goes as a bearer token, as SGLang's `--api-key` expects."""
+        the RELAX_GYM_API_KEY environment variable) goes as a bearer token, as SGLang's `--api-key` expects.
+        `share_tensors` (default: whether `base_url` is loopback) sends state dicts as tensors shared on this host
+        (`tensor_ipc`); False for a server on this host that cannot map this process's memory (another container's
+        shared memory, another GPU context)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.outage_timeout_s = outage_timeout_s
@@ -177,6 +184,7 @@ class SGLangEngine:
         self.max_backoff_s = max_backoff_s
         self.retries = retries
         self.flush_timeout_s = flush_timeout_s
+        self.share_tensors = is_loopback(httpx.URL(self.base_url).host) if share_tensors is None else share_tensors
         self._version = 0
         self._info: dict[str, Any] | None = None  # `_server_info`'s
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
@@ -184,7 +192,8 @@ class SGLangEngine:
         api_key = api_key if api_key is not None else api_key_from_env()
         self._settings = {"timeout_s": timeout_s, "outage_timeout_s": outage_timeout_s, "backoff_s": backoff_s,
                           "max_backoff_s": max_backoff_s, "retries": retries, "max_connections": max_connections,
-                          "api_key": api_key, "flush_timeout_s": flush_timeout_s}
+                          "api_key": api_key, "flush_timeout_s": flush_timeout_s,
+                          "share_tensors": share_tensors}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
@@ -288,27 +297,36 @@ class SGLangEngine:
                               int(meta.get("prompt_tokens", prompt_tokens)), _span_versions(meta, len(ids), before))
 
     async def update_weights(self, weights: Any, version: int) -> None:
-        """A folder path goes through /update_weights_from_disk, a state dict through
-        /update_weights_from_tensor as base64 safetensors (understood by `relax-gym serve`)."""
+        """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:
+        shared with a server on this host (`tensor_ipc`: CUDA IPC or shared memory, SGLang's payload), else as
+        base64 safetensors, which only `relax-gym serve` reads."""
         payload: dict[str, Any]
         if isinstance(weights, (str, os.PathLike)):
             route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
         elif isinstance(weights, Mapping):
-            # relax-gym serve's /update_weights_from_tensor also takes base64 safetensors; SGLang's does not
-            if not str((await self._server_info()).get("backend", "")).startswith(SERVE_BACKEND):
-                raise RequestError(
-                    f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor "
-                    "takes CUDA-IPC handles from a process on its own GPU, not a state dict over HTTP: send a folder "
-                    "(weight_sync: disk) or broadcast the weights (weight_sync: distributed)")
-            # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
-            blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
-            route, payload = "/update_weights_from_tensor", {"safetensors_b64": base64.b64encode(blob).decode()}
+            # tensors shared with the server are this process's memory: `shared` holds them until it has answered
+            shared = tensor_ipc.pack(weights) if self.share_tensors else None
+            route, payload = "/update_weights_from_tensor", await self._tensor_payload(weights, shared)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
         # flush_cache false: `pause` flushed already, and SGLang asserts (before 0.5.22) when a flush fails
         payload |= {"weight_version": str(version), "flush_cache": False}
         self._succeeded(route, await self._request("POST", route, payload))
         self._version = version
+
+    async def _tensor_payload(self, weights: Mapping[str, torch.Tensor],
+                              shared: list[tuple[str, torch.Tensor]] | None) -> dict[str, Any]:
+        info = await self._server_info()
+        if shared is not None:
+            return {"serialized_named_tensors": tensor_ipc.serialize(shared, int(info.get("tp_size") or 1))}
+        if not str(info.get("backend", "")).startswith(SERVE_BACKEND):
+            raise RequestError(
+                f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor takes "
+                "tensors shared from its own host (share_tensors is off: the URL is not loopback), not a state dict "
+                "over HTTP: send a folder (weight_sync: disk) or broadcast the weights (weight_sync: distributed)")
+        # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
+        blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
+        return {"safetensors_b64": base64.b64encode(blob).decode()}
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
