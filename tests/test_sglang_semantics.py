@@ -12,16 +12,18 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from engine_support import AUTH, KEY, chaotic_model, make_request, serving, teacher_forced
 from safetensors.torch import save
 
 from relax_gym import messages as M
-from relax_gym.engines import RequestError, SamplingParams, SGLangEngine, tensor_ipc
+from relax_gym.engines import EngineError, RequestError, SamplingParams, SGLangEngine, tensor_ipc
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED
-from relax_gym.models import LoadedModel
+from relax_gym.models import LoadedModel, load_model, processor_inputs
+from relax_gym.models.inputs import at_model_rate
 
 STEP_S = 0.004  # each forward of the served model sleeps this long, so a long request is still running when paused
 LONG = 300  # tokens: about 1.2 s at STEP_S
@@ -152,6 +154,38 @@ def test_per_token_versions_come_from_sglangs_weight_version_spans():
                                    {"version": "9", "start": 1, "end": 5}]), 3)
     assert first.versions() == [8, 9, 9, 9, 9]  # SGLang's initial version is "default": the one the client knew
     asyncio.run(client.close())
+
+
+def test_a_prompt_sglang_tokenized_again_fails_the_request_instead_of_training_on_other_tokens():
+    """SGLang decodes the ids of a prompt with media and runs its processor on the text; when the prompt it ran is
+    not the one sent, its tokens and logprobs belong to another prompt, so the client refuses them."""
+    client = SGLangEngine("http://127.0.0.1:9")
+
+    def answer(prompt_tokens: int, n: int, reason: str = "length") -> dict:
+        meta = {"finish_reason": {"type": reason}, "prompt_tokens": prompt_tokens, "weight_version": "1",
+                "output_token_logprobs": [[-0.5, t, None] for t in range(n)]}
+        return {"output_ids": list(range(n)), "meta_info": meta}
+
+    assert client._output(answer(40, 3), 40).prompt_tokens == 40
+    with pytest.raises(EngineError, match=r"ran a prompt of 38 tokens for the 40 sent: it tokenized the prompt again"):
+        client._output(answer(38, 3), 40)
+    assert client._output(answer(0, 0, "abort"), 40).output_ids == []  # aborted in the queue: nothing ran
+    asyncio.run(client.close())
+
+
+def test_audio_goes_to_engines_at_the_models_rate_so_a_server_resamples_nothing():
+    """SGLang resamples a clip at another rate with its own filter; at the model's rate the samples it decodes
+    are the ones the trainer's features come from, and those features are unchanged."""
+    loaded = load_model("tiny-audio")
+    wave = np.random.default_rng(1).standard_normal(6_000).astype(np.float32) * 0.1
+    rate = loaded.processor.feature_extractor.sampling_rate
+    [(resampled, got_rate)] = at_model_rate(loaded, [(wave, 8_000)])
+    assert got_rate == rate and len(resampled) == 6_000 * rate // 8_000
+    convo = [M.user("Listen", M.audio(wave, 8_000))]
+    again = [M.user("Listen", M.audio(resampled, rate))]
+    original, served = processor_inputs(loaded, convo), processor_inputs(loaded, again)
+    assert all(torch.equal(original[k], served[k]) for k in original)
+    assert at_model_rate(loaded, [(resampled, rate)])[0][0] is resampled  # at the rate already: left as it is
 
 
 def test_seeds_go_to_sglang_in_31_bits():

@@ -266,7 +266,7 @@ class SGLangEngine:
         versions: list[int] = []
         for resumes in range(MAX_RESUMES + 1):
             body = (await self._request("POST", "/generate", payload)).json()
-            part = self._output(body, len(request.input_ids))
+            part = self._output(body, len(payload["input_ids"]))
             ids += part.output_ids
             logprobs += part.logprobs
             versions += part.versions()
@@ -292,9 +292,15 @@ class SGLangEngine:
         reason = (meta.get("finish_reason") or {}).get("type")
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"server at {self.base_url}: unexpected finish_reason {meta.get('finish_reason')!r}")
+        ran = int(meta.get("prompt_tokens", prompt_tokens))
+        if ran != prompt_tokens and (ids or reason != "abort"):  # a request aborted in the queue ran nothing
+            raise EngineError(
+                f"server at {self.base_url} ran a prompt of {ran} tokens for the {prompt_tokens} sent: it tokenized "
+                "the prompt again (SGLang decodes the ids of a prompt with images, audio or video and runs its "
+                "processor on the text), so its tokens and logprobs are not the trajectory's")
         before, self._version = self._version, _version(meta.get("weight_version"), self._version)
-        return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version,
-                              int(meta.get("prompt_tokens", prompt_tokens)), _span_versions(meta, len(ids), before))
+        return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version, prompt_tokens,
+                              _span_versions(meta, len(ids), before))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:

@@ -94,6 +94,18 @@ def _resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
     return out.view(-1).numpy()
 
 
+def at_model_rate(loaded: LoadedModel, audios: Sequence[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, int]]:
+    """`audios` (waveform, rate) resampled as `encode_media` resamples them for the model's processor.
+
+    Engine requests carry these, so a server that decodes the clips again sees the very samples the trainer's
+    features come from: SGLang resamples a clip at another rate with its own filter (torchcodec or torchaudio),
+    not this one, and at the model's rate leaves it as it is."""
+    if loaded.processor is None or not audios:
+        return list(audios)
+    rate = loaded.processor.feature_extractor.sampling_rate
+    return [(_resample(np.asarray(w, dtype=np.float32), sr, rate), rate) for w, sr in audios]
+
+
 def processor_inputs(
     loaded: LoadedModel,
     messages: list[Message],
