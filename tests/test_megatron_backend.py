@@ -255,6 +255,8 @@ def test_sdpa_core_attention_equals_megatrons_dot_product_attention() -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_layout_matches_reference(parallel: dict[str, dict[str, Any]], layout: str) -> None:
     _assert_matches_reference(parallel[layout])
+    sizes = parallel[layout]["export_sizes"]  # one CPU copy of the model in the job: rank 0's
+    assert sizes[0] > 0 and sizes[1:] == [0] * (len(sizes) - 1)
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ def test_a_state_dict_shared_by_one_process_is_read_by_another(tmp_path):
     assert len(entries) == 2 and entries[0] == entries[1]
     assert len(entries[0]) < 4096  # names and a segment handle, not the tensors' bytes
     child = ("import sys, torch; from relax_gym.engines import tensor_ipc; "
-             f"torch.save({{k: v.clone() for k, v in tensor_ipc.load(sys.stdin.read()).items()}}, {str(tmp_path / 'got.pt')!r})")
+             "got = {k: v.clone() for k, v in tensor_ipc.load(sys.stdin.read()).items()}; "
+             f"torch.save(got, {str(tmp_path / 'got.pt')!r})")
     done = subprocess.run([sys.executable, "-c", child], input=entries[1], text=True, capture_output=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

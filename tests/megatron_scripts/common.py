@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -128,7 +129,14 @@ def run_checks(make_backend: Callable[[], TrainBackend], hf_model: PreTrainedMod
     out["step_s"] = time.perf_counter() - t0
     out["metrics"] = metrics
     out["ref_loss"], grads = reference_step(reference, samples)
-    exported = backend.hf_state_dict()
+    exported = backend.hf_state_dict()  # rank 0's; {} on the others, which only help gather it
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sizes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, len(exported))
+        out["export_sizes"] = sizes
+        box = [exported]
+        dist.broadcast_object_list(box, src=0)  # every rank checks the same weights below
+        exported = box[0]
     ref_state = reference.state_dict()
     out["exported_keys_match"] = set(exported) == set(ref_state)
     diffs = {name: (exported[name] - ref_state[name]).abs() for name in grads}

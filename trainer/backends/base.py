@@ -43,7 +43,8 @@ class TrainBackend(Protocol):
         """Forward/backward over micro-batches (token budget), clip, one optimizer step; version += 1."""
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Current weights under the Hugging Face names the engine's model uses (CPU tensors)."""
+        """Current weights under the Hugging Face names the engine's model uses (CPU tensors); in a job of several
+        ranks, on rank 0 only ({} elsewhere: the others take part in gathering them)."""
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Model, optimizer, RNG states and the caller's `extra` (e.g. data position).

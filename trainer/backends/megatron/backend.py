@@ -282,8 +282,9 @@ class MegatronBackend:
 
     @compat.on_cpu
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Current weights under Hugging Face names, full (gathered) CPU copies, on every rank."""
-        return export_hf(self.bridge, self.models)
+        """Current weights under Hugging Face names, full (gathered) CPU copies, on global rank 0 (the one that
+        sends them to engines); {} on the other ranks, which take part in the gather."""
+        return export_hf(self.bridge, self.models, keep=dist.get_rank() == 0)
 
     @compat.on_cpu
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
@@ -307,7 +308,7 @@ class MegatronBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        hf_weights = export_hf(self.bridge, self.models)  # collective: every rank takes part in the gather
+        hf_weights = export_hf(self.bridge, self.models, keep=dist.get_rank() == 0)  # collective: every rank gathers
         hf_error = None
         if dist.get_rank() == 0:
             try:

@@ -162,14 +162,19 @@ def make_bridge(hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32)
     return AutoBridge.from_config(hf_config, dtype=dtype)
 
 
-def export_hf(bridge: Bridge, models: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+def export_hf(bridge: Bridge, models: list[torch.nn.Module], keep: bool = True) -> dict[str, torch.Tensor]:
     """Full (TP-gathered, PP-broadcast) CPU copies under HF names; collective over all ranks.
 
+    Every rank must take part in the gather, but only one needs the copies: a rank with `keep` false lets
+    each gathered tensor go at once and returns {}, so a job of N ranks holds one CPU copy of the model, not N.
     A tied model also gets `lm_head.weight` (the embedding tensor), as HF's own
     `state_dict()` has it, so `load_state_dict(strict=True)` accepts the result.
     """
+    state: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # mbridge broadcasts the parameters themselves in place; keep that out of autograd
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in bridge.export_weights(models)}
-    if getattr(bridge.hf_config, "tie_word_embeddings", False):
+        for name, tensor in bridge.export_weights(models):
+            if keep:
+                state[name] = tensor.detach().to("cpu", copy=True)
+    if keep and getattr(bridge.hf_config, "tie_word_embeddings", False):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
