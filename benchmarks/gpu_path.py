@@ -40,6 +40,7 @@ from relax_gym.trainer.batch import Sample
 #: Qwen3 layouts (hidden, layers, heads, kv heads, intermediate); head_dim 128 and the vocabulary are shared
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 128),
+    "small": (512, 4, 8, 4, 1536),  # the full vocabulary with few layers: weight-sync figures on a CPU
     "qwen3-0.6b": (1024, 28, 16, 8, 3072),
     "qwen3-1.7b": (2048, 28, 16, 8, 6144),
     "qwen3-4b": (2560, 36, 32, 8, 9728),

@@ -105,3 +105,13 @@ class _Forged:
 def test_anything_but_shared_named_tensors_is_refused(entry, message):
     with pytest.raises(ValueError, match=message):
         tensor_ipc.load(entry)
+
+
+def test_a_later_state_dict_of_the_same_layout_refills_the_same_segment():
+    weights = _weights()
+    first = tensor_ipc.pack(weights)
+    later = {name: tensor + 1 if tensor.is_floating_point() else tensor * 2 for name, tensor in weights.items()}
+    again = tensor_ipc.pack(later, into=first)
+    assert again is first and all(torch.equal(view, later[name]) for name, view in again)
+    other = tensor_ipc.pack({**later, "steps": torch.arange(8)}, into=first)  # another shape: a new segment
+    assert other is not first and torch.equal(dict(other)["steps"], torch.arange(8))

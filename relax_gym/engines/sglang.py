@@ -186,6 +186,7 @@ class SGLangEngine:
         self.flush_timeout_s = flush_timeout_s
         self.share_tensors = is_loopback(httpx.URL(self.base_url).host) if share_tensors is None else share_tensors
         self._version = 0
+        self._shared: list[tuple[str, torch.Tensor]] | None = None  # the last state dict shared, in shared memory
         self._info: dict[str, Any] | None = None  # `_server_info`'s
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
@@ -310,8 +311,10 @@ class SGLangEngine:
         if isinstance(weights, (str, os.PathLike)):
             route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
         elif isinstance(weights, Mapping):
-            # tensors shared with the server are this process's memory: `shared` holds them until it has answered
-            shared = tensor_ipc.pack(weights) if self.share_tensors else None
+            # tensors shared with the server are this process's memory: `shared` holds them until it has answered;
+            # a CPU segment is kept and filled again next time (a GPU buffer goes back to torch's allocator)
+            shared = tensor_ipc.pack(weights, into=self._shared) if self.share_tensors else None
+            self._shared = shared if shared and all(t.device.type == "cpu" for _, t in shared) else None
             route, payload = "/update_weights_from_tensor", await self._tensor_payload(weights, shared)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")

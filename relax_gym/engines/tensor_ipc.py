@@ -23,7 +23,7 @@ import base64
 import io
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -36,9 +36,18 @@ ALIGN = 16
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 
 
-def pack(weights: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """`weights` as views into one new byte buffer per device, in order; a copy, so the caller's tensors are
-    never moved into shared memory."""
+def pack(weights: Mapping[str, torch.Tensor],
+         into: list[tuple[str, torch.Tensor]] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """`weights` as views into one new byte buffer per device (on the CPU, made in shared memory), in order; a
+    copy, so the caller's tensors are never moved into shared memory.
+
+    `into`, an earlier `pack` of the same names, shapes, dtypes and devices, is filled again instead: a new
+    shared-memory segment costs a page fault per page on its first write, about as much as the copy itself. Only
+    while the server that read it last is done with it (it has answered)."""
+    if into is not None and _layout(into) == _layout(weights.items()):
+        for (_, view), tensor in zip(into, weights.values(), strict=True):
+            view.copy_(tensor.detach())
+        return into
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in weights.items():
         by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
@@ -48,13 +57,23 @@ def pack(weights: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         for _, tensor in named:
             offsets.append(size)
             size += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
-        buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        buffer = _shared_buffer(size) if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
         for (name, tensor), start in zip(named, offsets, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             view = buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             views[name] = view
     return [(name, views[name]) for name in weights]
+
+
+def _layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Size, torch.dtype, torch.device]]:
+    return [(name, t.shape, t.dtype, t.device) for name, t in named]
+
+
+def _shared_buffer(size: int) -> torch.Tensor:
+    """`size` bytes made in shared memory by name, so sharing them later copies nothing."""
+    storage = torch.UntypedStorage._new_using_filename_cpu(size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def serialize(named: list[tuple[str, torch.Tensor]], tp_size: int = 1) -> list[str]:
