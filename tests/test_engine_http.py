@@ -512,6 +512,50 @@ def test_the_pool_lets_every_concurrent_request_reach_the_server(served):
 
 
 @pytest.mark.timeout(60)
+def test_a_capped_pool_holds_requests_back_without_timing_them_out(served):
+    """`max_connections=8`, split between the client's pools (`ShardedTransport`): a paused server sees at most
+    8 requests at once, and the 40 others wait for a connection as long as it takes, then complete."""
+    url, engine = served["tiny"]
+    tiny = SamplingParams(temperature=0, max_new_tokens=1)
+
+    async def use(client: SGLangEngine):
+        await client.pause()
+        try:
+            calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(48)]
+            await _until(lambda: len(engine._jobs) >= 8, "8 queued requests")
+            await asyncio.sleep(0.5)
+            queued = len(engine._jobs)
+        finally:
+            await client.resume()
+        return queued, await asyncio.gather(*calls)
+
+    queued, outputs = asyncio.run(_with_client(url, use, max_connections=8))
+    assert queued == 8 and len(outputs) == 48 and all(len(out.output_ids) == 1 for out in outputs)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_goes_away_while_its_request_waits_is_dropped_quietly(served, caplog):
+    """A request held by a paused server whose client gives up: the server drops it (its task is only asked to
+    cancel when the disconnect is seen, so its result must not be read then) and logs no error."""
+    url, engine = served["tiny"]
+
+    async def use(client: SGLangEngine):
+        await client.pause()
+        try:
+            async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=0.5) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    await impatient.post("/generate", json={"input_ids": [5, 6], "sampling_params": {}})
+            await asyncio.sleep(0.3)  # the server notices the disconnect
+        finally:
+            await client.resume()
+        return await client.generate(GenerateRequest([5, 6], GREEDY))
+
+    caplog.set_level(logging.ERROR)
+    assert asyncio.run(_with_client(url, use)).output_ids
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+
+
+@pytest.mark.timeout(60)
 def test_connect_resumes_a_server_left_paused(servers):
     """A trainer killed between pause() and resume() leaves the server paused; the next run's
     connect() makes it serve again and returns the model info."""

@@ -332,12 +332,12 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
 
     watcher = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    return task.result() if not task.cancelled() else None
+            task.cancel()  # only asks: the task is not cancelled yet, so its result must not be read
+    return task.result() if task in done else None
 
 
 def _finish_reason(

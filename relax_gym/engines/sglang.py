@@ -68,6 +68,7 @@ from relax_gym.engines.base import (
     api_key_from_env,
     is_loopback,
 )
+from relax_gym.engines.http_pool import ShardedTransport
 from relax_gym.engines.weight_group import dtype_name
 
 logger = logging.getLogger("relax_gym.engines")
@@ -200,7 +201,7 @@ class SGLangEngine:
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             # pool=None: waiting for a free connection never aborts a request that its own timeout would allow
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=ShardedTransport(max_connections),  # one httpcore pool is O(n²) in concurrent requests
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
