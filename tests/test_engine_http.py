@@ -537,7 +537,7 @@ def test_a_capped_pool_holds_requests_back_without_timing_them_out(served):
 def test_a_client_that_goes_away_while_its_request_waits_is_dropped_quietly(served, caplog):
     """A request held by a paused server whose client gives up: the server drops it (its task is only asked to
     cancel when the disconnect is seen, so its result must not be read then) and logs no error."""
-    url, engine = served["tiny"]
+    url, _ = served["tiny"]
 
     async def use(client: SGLangEngine):
         await client.pause()

@@ -179,6 +179,9 @@ class CpuSection(_Strict):
 class MegatronSection(_Strict):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    #: parameters and forward: "auto" is bfloat16 on a GPU (float32 main params in the optimizer and the
+    #: checkpoint), float32 on a CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class TrainerSection(_Strict):

@@ -90,7 +90,7 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
 
         return MegatronBackend(copy.deepcopy(loaded), tp=t.megatron.tp, pp=t.megatron.pp, lr=t.lr,
                                weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed)
+                               micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, dtype=t.megatron.dtype)
     from relax_gym.trainer.backends.torch_backend import TorchBackend
 
     return TorchBackend(copy.deepcopy(loaded), lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,

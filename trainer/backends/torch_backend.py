@@ -112,6 +112,14 @@ def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, here: torch.Tensor
     return grad
 
 
+def enable_tf32(device: torch.device) -> None:
+    """On a GPU, float32 matmuls and convolutions (what autocast or bf16 leave in float32) run as TF32, as
+    every large-scale trainer sets them: ~10 mantissa bits in the products, float32 accumulation. Process-wide."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for bf16 / fp16 logits (log-probabilities need it), else the logits' own (fp64 stays fp64)."""
     return torch.promote_types(logits.dtype, torch.float32)
@@ -223,6 +231,7 @@ class TorchBackend:
             raise ValueError("fp16 training needs loss scaling, which this backend does not do; use bfloat16")
         #: compute dtype of the forward under autocast, None when it runs in the weights' own dtype
         self.autocast_dtype = dtype if dtype == torch.bfloat16 else None
+        enable_tf32(self.device)
         set_seed(seed)
         self.loaded = loaded
         # transformers' `to` is typed through @wraps(nn.Module.to), which mypy reads as unbound

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from relax_gym.trainer.backends.base import (
     set_rng_states,
 )
 from relax_gym.trainer.backends.megatron import compat
+from relax_gym.trainer.backends.torch_backend import enable_tf32
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
@@ -180,11 +181,15 @@ class MegatronBackend:
         seed: int = 0,
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
+        dtype: Literal["auto", "float32", "bfloat16"] = "auto",
     ):
         """`model`: a tiny-model name, an HF checkpoint folder, a `LoadedModel` or a `PreTrainedModel`.
 
         `dp` defaults to what the world size leaves after `tp × pp`; pass it to
         assert the layout. `grad_clip` None or ≤ 0 turns clipping off (the norm is still reported).
+        `dtype` of the parameters and the forward: "auto" is bfloat16 on a GPU, float32 on a CPU; in bfloat16
+        the optimizer keeps float32 main parameters and gradients (megatron's mixed precision), and the
+        checkpoint saves those main parameters, so a resumed run continues from the same numbers.
         """
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
@@ -199,12 +204,15 @@ class MegatronBackend:
         if hf_config.vocab_size % tp:
             # padding the vocabulary would add logits that the log-softmax would have to mask out
             raise ValueError(f"vocab_size {hf_config.vocab_size} is not divisible by tp={tp}")
-        self.bridge = make_bridge(hf_config, dtype=torch.float32)
+        bf16 = dtype == "bfloat16" or (dtype == "auto" and self.device.type == "cuda")
+        self.params_dtype = torch.bfloat16 if bf16 else torch.float32
+        enable_tf32(self.device)
+        self.bridge = make_bridge(hf_config, dtype=self.params_dtype)
         self.bridge.set_extra_args(calculate_per_token_loss=True, variable_seq_lengths=True)
         with torch.random.fork_rng(devices=[]):  # init values are overwritten; keep the caller's RNG
             torch.manual_seed(seed)
             self.models: list[DistributedDataParallel] = self.bridge.get_model(
-                wrap_with_ddp=True, fp16=False, bf16=False, data_parallel_random_init=False,
+                wrap_with_ddp=True, fp16=False, bf16=bf16, data_parallel_random_init=False,
                 ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": True,
                             "overlap_grad_reduce": False, "overlap_param_gather": False},
             )
@@ -217,7 +225,7 @@ class MegatronBackend:
                 adam_beta2=adam_betas[1], adam_eps=adam_eps,
                 clip_grad=grad_clip if grad_clip and grad_clip > 0 else math.inf,
                 loss_scale=1.0,  # a constant scaler of 1 changes no number; it adds the found-inf check
-                use_distributed_optimizer=True, params_dtype=torch.float32,
+                use_distributed_optimizer=True, params_dtype=self.params_dtype, bf16=bf16,
             ),
             self.models,
         )
@@ -322,8 +330,8 @@ class MegatronBackend:
             torch.save({"model": [unwrap_model(m).state_dict() for m in self.models],
                         "scheduler": self.scheduler.state_dict()}, written[-1])
         written.append(path / f"rank{dist.get_rank():05d}.pt")
-        torch.save({"optimizers": [o.state_dict() for o in self._torch_optimizers()], "rng": _rng_state()},
-                   written[-1])
+        torch.save({"optimizers": [o.state_dict() for o in self._torch_optimizers()], "rng": _rng_state(),
+                    "main_params": [p.detach().clone() for p in self._main_params()]}, written[-1])
         if dist.get_rank() == 0:
             written.append(path / "meta.pt")
             torch.save({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout(),
@@ -361,9 +369,16 @@ class MegatronBackend:
         mine = safe_load(mine_file, map_location=self.device)
         for model_state in shared["model"]:
             _check_extra_state(model_state, shared_file)
+        main, saved = self._main_params(), mine.get("main_params", [])  # none before bf16 was saved
+        if len(saved) != len(main):
+            raise ValueError(f"{mine_file}: {len(saved)} float32 main parameters, this backend "
+                             f"({str(self.params_dtype).removeprefix('torch.')}) has {len(main)}: resume with the "
+                             "dtype the run was saved with")
         for m, model_state in zip(self.models, shared["model"], strict=True):
             unwrap_model(m).load_state_dict(model_state)
-        self.optimizer.reload_model_params()
+        self.optimizer.reload_model_params()  # main params from the model's: exact in float32, rounded in bf16
+        for param, value in zip(main, saved, strict=True):
+            param.copy_(value)  # so a bf16 run's float32 main params are restored, not rebuilt from bf16
         for optimizer, state in zip(self._torch_optimizers(), mine["optimizers"], strict=True):
             optimizer.load_state_dict(state)
         self.scheduler.load_state_dict(shared["scheduler"])
@@ -466,6 +481,12 @@ class MegatronBackend:
     # --- checkpoint helpers -----------------------------------------------------------------
     def _layout(self) -> dict[str, int]:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def _main_params(self) -> list[torch.Tensor]:
+        """This rank's float32 main copies of the bf16 parameters (none in float32, where the main params are
+        the model's own, saved with it), in megatron's order."""
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [p for o in optimizers for group in o.shard_fp32_from_float16_groups for p in group]
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch Adams inside megatron's (possibly chained) optimizer, each over this rank's shard."""
