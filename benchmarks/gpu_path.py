@@ -8,7 +8,8 @@ code, nothing downloaded), on `--device` (default: the GPU if there is one), it 
 - engine tokens/s: `--requests` prompts of `--prompt-tokens` random ids, `--new-tokens` sampled each, through
   the embedded engine (continuous batching) against one batched HF `generate` of the same prompts (the ratio);
 - trainer tokens/s and MFU: `TorchBackend.train_step` on `--train-seqs` sequences of `--train-len` tokens
-  (the last quarter trained), MFU = 6 × parameters × tokens/s / `--peak-tflops` (H100 bf16 dense: 989);
+  (the last quarter trained), MFU = 6 × parameters × tokens/s / `--peak-tflops` (H100 bf16 dense: 989); the
+  same for `MegatronBackend` (one rank, bf16 with float32 main params on a GPU), measured last, alone;
 - logprob gap: the engine's sampled-token logprobs against the trainer's recomputation of the same tokens
   (mean and max |difference|), which in bf16 is the off-policy noise every GPU run carries;
 - weight sync: seconds per GB for `EmbeddedEngine.update_weights` from the trainer's `hf_state_dict()`;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import time
 from dataclasses import replace
 from typing import Any
@@ -34,7 +36,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from relax_gym.engines import EmbeddedEngine, GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.models import LoadedModel, build_tokenizer
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
-from relax_gym.trainer.backends.torch_backend import TorchBackend
+from relax_gym.trainer.backends.torch_backend import TorchBackend, enable_tf32
 from relax_gym.trainer.batch import Sample
 
 #: Qwen3 layouts (hidden, layers, heads, kv heads, intermediate); head_dim 128 and the vocabulary are shared
@@ -147,6 +149,21 @@ def longest_trainable(backend: TorchBackend, loss_fn: Any, limit: int) -> int:
     return low
 
 
+def megatron_tokens_per_s(base: LoadedModel, args: argparse.Namespace, device: torch.device) -> float:
+    """`MegatronBackend.train_step` (one rank, its default dtype: bf16 on a GPU) on the trainer's samples."""
+    from relax_gym.trainer.backends.megatron import MegatronBackend
+
+    backend = MegatronBackend(clone(base), lr=1e-6, micro_batch_tokens=args.train_seqs * args.train_len)
+    loss_fn = make_loss_fn(AlgorithmConfig())
+    samples = train_samples(args.train_seqs, args.train_len)
+    backend.train_step(samples, loss_fn)  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    backend.train_step(samples, loss_fn)
+    synchronize(device)
+    return args.train_seqs * args.train_len / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
@@ -158,12 +175,14 @@ def main() -> None:
     parser.add_argument("--train-len", type=int, default=2048)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's bf16 dense peak (H100: 989)")
     parser.add_argument("--longest-limit", type=int, default=131_072)
+    parser.add_argument("--megatron", action=argparse.BooleanOptionalAction,
+                        default=importlib.util.find_spec("megatron") is not None,
+                        help="also time the Megatron backend (default: when megatron-core is installed)")
     args = parser.parse_args()
     if args.shape == "tiny":
         args.requests, args.prompt_tokens, args.new_tokens, args.train_seqs, args.train_len = 4, 16, 8, 4, 32
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    enable_tf32(device)
     base = build(args.shape)
     params = sum(p.numel() for p in base.model.parameters())
     rows: list[tuple[str, str]] = [("shape", f"{args.shape} ({params / 1e9:.2f} B parameters)"),
@@ -213,8 +232,17 @@ def main() -> None:
         if device.type == "cuda":
             rows.append(("longest trainable sequence (1 per step)",
                          f"{longest_trainable(backend, loss_fn, args.longest_limit):,} tokens"))
+        del backend, state
     finally:
         asyncio.run(engine.close())
+    del engine, engine_model
+    if args.megatron:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        megatron_tps = megatron_tokens_per_s(base, args, device)
+        rows.append(("Megatron trainer tokens/s (bf16 on a GPU, fwd + bwd + distributed Adam)", f"{megatron_tps:,.0f}"))
+        if device.type == "cuda":
+            rows.append(("Megatron trainer MFU", f"{6 * params * megatron_tps / (args.peak_tflops * 1e12):.1%}"))
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

@@ -271,6 +271,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from relax_gym.engines.embedded import engine_device
     from relax_gym.engines.server import serve
     from relax_gym.engines.server_limits import ServerLimits
     from relax_gym.errors import StartupError
@@ -280,7 +281,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = ServerLimits(**given)
     except ValidationError as err:
         raise StartupError(f"relax-gym serve: {_first_error(err)}") from None
-    serve(args.model, host=args.host, port=args.port, api_key_file=args.api_key_file, limits=limits)
+    try:
+        engine_device(args.device)
+    except ValueError as err:
+        raise StartupError(f"relax-gym serve --device: {err}") from None
+    serve(args.model, host=args.host, port=args.port, device=args.device, api_key_file=args.api_key_file,
+          limits=limits)
     return 0
 
 
@@ -401,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="auto",
+                   help="auto (the first GPU, in bfloat16, where torch sees one; else the CPU), cpu, cuda or cuda:N")
     from relax_gym.engines.base import API_KEY_ENV
     from relax_gym.engines.server_limits import ServerLimits
 

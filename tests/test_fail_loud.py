@@ -350,6 +350,11 @@ def test_resume_never_refuses_a_folder_that_holds_a_run(capsys, tmp_path):
     assert code == 2 and "holds a run" in out, out
 
 
+def test_serve_on_a_device_this_machine_lacks_is_one_line(capsys):
+    code, out = run_cli(capsys, "serve", "--device", "cuda:7")
+    assert code == 2 and "relax-gym serve --device: 'cuda:7'" in out and "Traceback" not in out, out
+
+
 def test_an_unreachable_engine_server_is_one_line_and_leaves_nothing(capsys, tmp_path):
     code, out = train_cli(capsys, tmp_path, ARITHMETIC, "rollout.engine=sglang",
                           "rollout.engine_url=http://127.0.0.1:9", "rollout.engine_outage_timeout_s=1")

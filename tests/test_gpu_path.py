@@ -23,6 +23,7 @@ def test_the_gpu_path_benchmark_runs_at_its_tiny_shape():
     assert rows["device"] == "cpu", done.stdout
     for measure in ("engine tokens/s (continuous batching)", "HF generate tokens/s (one batch)",
                     "trainer tokens/s (fwd + bwd + AdamW)", "logprob gap engine vs trainer, max",
-                    "weight sync, in-process state dict"):
+                    "weight sync, in-process state dict",
+                    "Megatron trainer tokens/s (bf16 on a GPU, fwd + bwd + distributed Adam)"):
         assert measure in rows, (measure, done.stdout)
     assert float(rows["logprob gap engine vs trainer, max"]) < 1e-3  # fp32 on a CPU: the engine's are the trainer's

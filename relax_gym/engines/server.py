@@ -78,7 +78,7 @@ from relax_gym.engines.base import (
     api_key_from_env,
     is_loopback,
 )
-from relax_gym.engines.embedded import EmbeddedEngine
+from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
@@ -639,13 +639,14 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 30000,
     *,
-    device: str = "cpu",
+    device: str = "auto",
     api_key_file: str | os.PathLike | None = None,
     limits: ServerLimits | None = None,
     **engine_kwargs: Any,
 ) -> None:
     """Loads `model` (a tiny model name or a local HF folder) and serves it until interrupted or SIGTERM
-    (requests in flight get `drain_timeout_s` to finish, then are aborted)."""
+    (requests in flight get `drain_timeout_s` to finish, then are aborted). `device` as `rollout.engine_device`
+    takes it: "auto" is the first GPU (in bfloat16) where torch sees one, else the CPU."""
     from relax_gym.models import load_model
 
     limits = limits or ServerLimits()
@@ -653,7 +654,7 @@ def serve(
     if not is_loopback(host):
         logger.warning("serving on %s: reachable beyond this machine over plain HTTP, so the API key travels in "
                        "clear; put TLS (a reverse proxy) or an SSH tunnel in front", host)
-    engine = EmbeddedEngine(load_model(model, device=device), **engine_kwargs)
+    engine = EmbeddedEngine(load_model(model), device=engine_device(device), **engine_kwargs)
     if generated:
         print(f"API key (generated for this run): {api_key}\n  clients: export {API_KEY_ENV}={api_key}", flush=True)
     try:
