@@ -5,8 +5,8 @@ weight sync to that server by each strategy. Runs on a CPU (the figures in RESUL
   from one `SGLangEngine` (its pool is unlimited and never times out) to a `relax-gym serve` in its own process,
   once with `max_pending` above the load (all admitted) and once at the server's default (256: the rest get 503
   and the client waits them out). Baseline: the same requests through an in-process `EmbeddedEngine` (the
-  same default batch size as the served one). Reported: completed / failed, the client's outages, tokens/s and its ratio to the baseline, p50 and
-  p99 latency.
+  same default batch size as the served one). Reported: completed / failed, the client's outages, tokens/s
+  and its ratio to the baseline, p50 and p99 latency.
 - weight sync: the `--sync-shape` model's state dict (fp32) to a served copy, by `tensor` (SGLang's
   serialized_named_tensors over shared memory), `safetensors` (base64 in the request body, as to a server
   on another host), `disk` (an HF folder written, then loaded by path) and `distributed` (a gloo group, SGLang's

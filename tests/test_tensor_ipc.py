@@ -115,3 +115,21 @@ def test_a_later_state_dict_of_the_same_layout_refills_the_same_segment():
     assert again is first and all(torch.equal(view, later[name]) for name, view in again)
     other = tensor_ipc.pack({**later, "steps": torch.arange(8)}, into=first)  # another shape: a new segment
     assert other is not first and torch.equal(dict(other)["steps"], torch.arange(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_state_dict_travels_as_cuda_ipc_handles(tmp_path):
+    """GPU tensors are shared as CUDA IPC handles (no copy to the host): another process maps the same memory."""
+    weights = {name: tensor.cuda() for name, tensor in _weights().items()}
+    packed = tensor_ipc.pack(weights)
+    assert all(t.is_cuda for _, t in packed)
+    entry = tensor_ipc.serialize(packed)[0]
+    assert ("torch.multiprocessing.reductions", "rebuild_cuda_tensor") in _globals(entry)
+    child = ("import sys, torch; from relax_gym.engines import tensor_ipc; "
+             "got = {k: v.cpu() for k, v in tensor_ipc.load(sys.stdin.read()).items()}; "
+             f"torch.save(got, {str(tmp_path / 'got.pt')!r})")
+    done = subprocess.run([sys.executable, "-c", child], input=entry, text=True, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = torch.load(tmp_path / "got.pt")
+    assert all(torch.equal(got[name], tensor.cpu()) for name, tensor in weights.items())

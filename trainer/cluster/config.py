@@ -120,6 +120,6 @@ class ClusterSection(_Strict):
                              "cluster.engines.kind=serve or sglang (or use object_store / disk)")
         if self.engines.kind == "sglang" and self.weight_sync == "object_store":
             raise ValueError("cluster.engines.kind=sglang takes weights from disk or by broadcast (SGLang's "
-                             "/update_weights_from_tensor needs CUDA IPC handles): set cluster.weight_sync=disk or "
-                             "distributed")
+                             "/update_weights_from_tensor takes only tensors shared from its own host): set "
+                             "cluster.weight_sync=disk or distributed")
         return self

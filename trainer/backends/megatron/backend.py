@@ -71,9 +71,9 @@ from relax_gym.trainer.backends.base import (
     set_rng_states,
 )
 from relax_gym.trainer.backends.megatron import compat
-from relax_gym.trainer.backends.torch_backend import enable_tf32
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
+from relax_gym.trainer.backends.torch_backend import enable_tf32
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import check_saved, safe_load
 
