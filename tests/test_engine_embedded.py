@@ -53,7 +53,7 @@ def _run(coro):
 
 @pytest.fixture(scope="module")
 def tiny() -> dict[str, LoadedModel]:
-    return {name: load_model(name) for name in ("tiny", "tiny-vl", "tiny-audio")}
+    return {name: load_model(name) for name in ("tiny", "tiny-moe", "tiny-vl", "tiny-audio")}
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ async def _generate_all(engine: EmbeddedEngine, requests: list[GenerateRequest])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "tiny-audio"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-vl", "tiny-audio"])
 @pytest.mark.parametrize("with_mm_inputs", [True, False], ids=["mm_inputs", "raw_media"])
 def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_inputs):
     """Greedy, sampled and top-p/top-k rows with different media counts in one left-padded batch:
@@ -385,6 +385,26 @@ def test_bad_weights_raise_and_change_nothing(text_model, tmp_path):
 
 
 # --- pause, resume, close --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_caller_holding_its_answer_finds_the_engine_idle(text_model, batching):
+    """`busy` (SGLang's running requests, which refuse /flush_cache) counts a request until it is answered, not
+    until the worker's loop comes round: a client that flushes on receiving its answer is never refused."""
+    engine = EmbeddedEngine(text_model, batching=batching)
+
+    async def each_then_check() -> list[bool]:
+        seen = []
+        for i in range(20):
+            await engine.generate(GenerateRequest([5, 6 + i], SamplingParams(temperature=0, max_new_tokens=2)))
+            seen.append(engine.busy)
+        return seen
+
+    try:
+        assert _run(each_then_check()) == [False] * 20
+    finally:
+        _run(engine.close())
 
 
 @pytest.mark.timeout(60)

@@ -122,9 +122,31 @@ class _Job:
     aborted: bool = False
     #: `EmbeddedEngine.pause(abort=True)` calls before this job arrived: a later one aborts it
     aborts_seen: int = 0
+    #: the engine's count of running requests, once the worker has taken this one (it leaves it when answered)
+    running: _Running | None = None
 
     def resolve(self, value: GenerateOutput | BaseException) -> None:
+        if self.running is not None:  # before the answer is sent: whoever reads it finds the engine without it
+            self.running.leave()
+            self.running = None
         _resolve(self.loop, self.future, value)
+
+
+class _Running:
+    """Requests taken by the worker and not yet answered (SGLang's running requests)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def join(self, job: _Job) -> None:
+        with self._lock:
+            self.count += 1
+        job.running = self
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
 
 
 @dataclass(eq=False)
@@ -278,7 +300,8 @@ class EmbeddedEngine:
         self._paused = False
         self._aborts = 0  # `pause(abort=True)` calls so far
         self._closed = False
-        self._busy = False
+        self._busy = False  # a batch is running (what `pause` waits for)
+        self._running = _Running()
         self._jobs: deque[_Job] = deque()
         #: the running batch's rows under continuous batching, and the jobs joining it (the worker's own, read
         #: after it fails)
@@ -368,8 +391,9 @@ class EmbeddedEngine:
 
     @property
     def busy(self) -> bool:
-        """Whether a batch is running (SGLang's `/flush_cache` is refused then)."""
-        return self._busy
+        """Whether requests are running, taken and not yet answered (SGLang's `/flush_cache` is refused then).
+        A request leaves before its answer is sent, so its caller never finds the engine busy with it."""
+        return self._running.count > 0
 
     async def resume(self) -> None:
         with self._cond:
@@ -568,6 +592,7 @@ class EmbeddedEngine:
         while self._jobs and len(jobs) < limit and not self._paused:
             job = self._jobs.popleft()
             if not job.future.cancelled():
+                self._running.join(job)
                 jobs.append(job)
         return jobs
 
