@@ -87,17 +87,24 @@ def _pickled(obj: object, pickler: type[pickle.Pickler] = pickle.Pickler) -> str
 
 
 class _Forged:
-    """Unpickles as `rebuild_storage_filename` on a file that is not a segment torch shares."""
+    """Unpickles as `rebuild_storage_filename` on `handle` through the manager socket `manager`."""
+
+    def __init__(self, manager: bytes, handle: bytes) -> None:
+        self.manager, self.handle = manager, handle
 
     def __reduce__(self):
         from torch.multiprocessing import reductions
 
-        return reductions.rebuild_storage_filename, (torch.UntypedStorage, b"/tmp/x.sock", b"/etc_passwd", 8)
+        return reductions.rebuild_storage_filename, (torch.UntypedStorage, self.manager, self.handle, 8)
+
+
+MANAGER = b"/tmp/torch-shm-dir-Ab12/manager.sock"
 
 
 @pytest.mark.parametrize(("entry", "message"), [
     (_pickled([("x", os.system)]), r"posix\.system is not allowed"),
-    (_pickled(_Forged()), r"b'/etc_passwd' is not a segment torch shares"),
+    (_pickled(_Forged(MANAGER, b"/etc_passwd")), r"b'/etc_passwd' is not a segment torch shares"),
+    (_pickled(_Forged(b"/run/docker.sock", b"/torch_1_2_3")), r"b'/run/docker.sock' is not the socket of torch"),
     (_pickled([("x", torch.ones(2))], ForkingPickler), r"shared by file descriptor.*file_system"),
     (_pickled({"x": 1}), r"not a list of \(name, tensor\) pairs"),
     ("!!", r"not a pickle"),

@@ -23,11 +23,12 @@ flush of its own (SGLang before 0.5.22 asserts when one fails). `generate` sends
 a request that a pause aborted on again, as its prompt plus its tokens so far,
 which waits for `resume()`; each token keeps the version it came from
 (`GenerateOutput.token_versions`, also read from SGLang's per-answer version
-spans). A state dict goes to a server on this host as SGLang's `serialized_named_tensors`
-(`tensor_ipc`: CUDA IPC handles or shared memory, no copy through the body or the disk); to `relax-gym serve`
-elsewhere as base64 safetensors, which SGLang does not read (there a folder path or the distributed routes are
-needed). A non-integer `weight_version`
-(SGLang's initial one is "default") leaves `weight_version` at the last
+spans). A state dict goes to a server on this host as SGLang's
+`serialized_named_tensors` (`tensor_ipc`: CUDA IPC handles or shared memory,
+nothing copied through the body or the disk); to `relax-gym serve` elsewhere as
+base64 safetensors, which SGLang does not read (there a folder path or the
+distributed routes are needed). A non-integer `weight_version` (SGLang's
+initial one is "default") leaves `weight_version` at the last
 integer this client set. Seeds are sent in 31 bits, and `connect()` warns when
 the server ignores them (SGLang without `--enable-deterministic-inference`).
 The distributed routes (`init_weights_update_group` and the rest) send SGLang's own
@@ -312,10 +313,8 @@ class SGLangEngine:
         if isinstance(weights, (str, os.PathLike)):
             route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
         elif isinstance(weights, Mapping):
-            # tensors shared with the server are this process's memory: `shared` holds them until it has answered;
-            # a CPU segment is kept and filled again next time (a GPU buffer goes back to torch's allocator)
-            shared = tensor_ipc.pack(weights, into=self._shared) if self.share_tensors else None
-            self._shared = shared if shared and all(t.device.type == "cpu" for _, t in shared) else None
+            # tensors shared with the server are this process's memory: `shared` holds them until it has answered
+            shared, self._shared = (tensor_ipc.pack(weights, into=self._shared) if self.share_tensors else None), None
             route, payload = "/update_weights_from_tensor", await self._tensor_payload(weights, shared)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
@@ -323,6 +322,8 @@ class SGLangEngine:
         payload |= {"weight_version": str(version), "flush_cache": False}
         self._succeeded(route, await self._request("POST", route, payload))
         self._version = version
+        if isinstance(weights, Mapping) and shared and all(t.device.type == "cpu" for _, t in shared):
+            self._shared = shared  # answered, so done with: refilled next time (a GPU buffer goes back to torch)
 
     async def _tensor_payload(self, weights: Mapping[str, torch.Tensor],
                               shared: list[tuple[str, torch.Tensor]] | None) -> dict[str, Any]:
@@ -332,8 +333,9 @@ class SGLangEngine:
         if not str(info.get("backend", "")).startswith(SERVE_BACKEND):
             raise RequestError(
                 f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor takes "
-                "tensors shared from its own host (share_tensors is off: the URL is not loopback), not a state dict "
-                "over HTTP: send a folder (weight_sync: disk) or broadcast the weights (weight_sync: distributed)")
+                "tensors shared from its own host (share_tensors is off: by default, for a URL that is not loopback), "
+                "not a state dict over HTTP: send a folder (weight_sync: disk) or broadcast the weights "
+                "(weight_sync: distributed)")
         # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
         blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
         return {"safetensors_b64": base64.b64encode(blob).decode()}

@@ -32,8 +32,10 @@ from torch.multiprocessing import reductions
 
 #: byte alignment of each tensor in a packed buffer: a multiple of every dtype's element size
 ALIGN = 16
-#: the shared-memory names torch's file_system sharing gives (`/torch_<pid>_<random>_<counter>`)
+#: the shared-memory names torch's file_system sharing gives (`/torch_<pid>_<random>_<counter>`), and the socket
+#: of the `torch_shm_manager` that holds them (`<tmp>/torch-shm-dir-<random>/manager.sock`)
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
+_SHM_MANAGER = re.compile(rb"/[^\0]*/torch-shm-dir-\w+/manager\.sock")
 
 
 def pack(weights: Mapping[str, torch.Tensor],
@@ -99,6 +101,8 @@ class _SharingPickler(ForkingPickler):
 def _rebuild_shared_cpu(cls: type, manager: bytes, handle: bytes, size: int, dtype: Any = None) -> Any:
     if not isinstance(handle, bytes) or not _SHM_NAME.fullmatch(handle):
         raise pickle.UnpicklingError(f"shared memory {handle!r} is not a segment torch shares")
+    if not isinstance(manager, bytes) or not _SHM_MANAGER.fullmatch(manager):
+        raise pickle.UnpicklingError(f"{manager!r} is not the socket of torch's shared-memory manager")
     return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
 
 
