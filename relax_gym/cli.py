@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rollout section of a training config, as `relax-gym train` takes it, e.g. "
                         "rollout.temperature=0.7 rollout.max_turns=4; applied after the flags")
     p.add_argument("--env", required=True, help="a registered env id")
-    p.add_argument("--model", default="tiny", help="tiny | tiny-vl | tiny-audio | a local HF checkpoint folder")
+    p.add_argument("--model", default="tiny",
+                   help="tiny | tiny-moe | tiny-vl | tiny-audio | a local HF checkpoint folder")
     p.add_argument("-n", type=int, default=8, help="number of tasks")
     p.add_argument("--out", required=True, help="output .jsonl (written as groups finish)")
     p.add_argument("--seed", type=int, default=0)

@@ -31,10 +31,11 @@ def _requests() -> list[GenerateRequest]:
     ]
 
 
-def test_the_tiny_text_model_batches_continuously_and_media_models_statically():
-    engines = [EmbeddedEngine(load_model("tiny")), EmbeddedEngine(load_model("tiny"), batching="static")]
+def test_the_tiny_text_models_batch_continuously_and_media_models_statically():
+    engines = [EmbeddedEngine(load_model("tiny")), EmbeddedEngine(load_model("tiny"), batching="static"),
+               EmbeddedEngine(load_model("tiny-moe"))]
     try:
-        assert engines[0].continuous
+        assert engines[0].continuous and engines[2].continuous
         assert not engines[1].continuous
     finally:
         for engine in engines:

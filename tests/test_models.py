@@ -282,7 +282,7 @@ def test_save_then_load_gives_identical_logits(tiny, name, tmp_path):
 
 def test_load_model_dtype_and_unknown_paths(tmp_path):
     assert load_model("tiny", dtype=torch.bfloat16).model.dtype == torch.bfloat16
-    with pytest.raises(ModelLoadError, match=r"no folder at .*nowhere.*tiny, tiny-vl, tiny-audio"):
+    with pytest.raises(ModelLoadError, match=r"no folder at .*nowhere.*tiny, tiny-moe, tiny-vl, tiny-audio"):
         load_model(str(tmp_path / "nowhere"))
-    with pytest.raises(ModelLoadError, match=r"has no config\.json.*tiny, tiny-vl, tiny-audio"):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json.*tiny, tiny-moe, tiny-vl, tiny-audio"):
         load_model(str(tmp_path))

@@ -207,8 +207,11 @@ def test_micro_batching_changes_neither_loss_nor_gradients_nor_weights(name):
     assert _max_diff(small_weights, big_weights) <= 1e-6
 
 
-@pytest.mark.parametrize(("name", "tower"), [("tiny-vl", "model.visual."), ("tiny-audio", "model.audio_tower.")])
+@pytest.mark.parametrize(("name", "tower"), [("tiny-vl", "model.visual."), ("tiny-audio", "model.audio_tower."),
+                                             ("tiny-moe", "model.layers.0.mlp.gate.")])
 def test_trained_tokens_reach_the_media_tower_and_the_language_model(name, tower):
+    """Every trainable parameter moves: the media towers, and for the MoE model its routers (through the top-k
+    weights) and its experts."""
     loaded = load_model(name)
     sample = _samples(name, 1, loaded)[0]
     before = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if p.requires_grad}

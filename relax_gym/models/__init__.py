@@ -1,6 +1,6 @@
 """Models for rollouts and training: the embedded tiny ones and local HF checkpoints.
 
-`load_model("tiny" | "tiny-vl" | "tiny-audio" | folder)` gives a `LoadedModel`;
+`load_model("tiny" | "tiny-moe" | "tiny-vl" | "tiny-audio" | folder)` gives a `LoadedModel`;
 `render_ids` / `processor_inputs` turn chat messages into its exact inputs, and
 `sequence_inputs` rebuilds them for a turn-by-turn appended trajectory.
 """
@@ -25,7 +25,7 @@ from relax_gym.models.loading import (
     load_model,
     save_model,
 )
-from relax_gym.models.tiny import build_tiny_audio, build_tiny_text, build_tiny_vl, without_video
+from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl, without_video
 from relax_gym.models.tokenizer import build_tokenizer
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "build_tiny_audio",
+    "build_tiny_moe",
     "build_tiny_text",
     "build_tiny_vl",
     "build_tokenizer",

@@ -30,7 +30,7 @@ from transformers.utils import is_torchvision_available
 from transformers.utils import logging as hf_logging
 
 from relax_gym.errors import StartupError
-from relax_gym.models.tiny import build_tiny_audio, build_tiny_text, build_tiny_vl, without_video
+from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl, without_video
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ class LoadedModel:
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-vl", "tiny-audio")
+TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-vl", "tiny-audio")
 CHATML_TURN_ENDS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
 
 
 def _build_tiny(name: str) -> LoadedModel:
-    if name == "tiny":
-        model, tokenizer = build_tiny_text()
+    if name in ("tiny", "tiny-moe"):
+        model, tokenizer = (build_tiny_text if name == "tiny" else build_tiny_moe)()
         return LoadedModel(model, tokenizer, None, ("text",), name)
     build, modality = {"tiny-vl": (build_tiny_vl, "image"), "tiny-audio": (build_tiny_audio, "audio")}[name]
     multimodal, processor = build()

@@ -2,8 +2,8 @@
 
 They let every part of the stack (rollouts, engines, trainers, the CLI) run on a
 CPU with no hub access while going through the same code paths as a real
-checkpoint: Qwen3 for text, Qwen3-VL for images, Qwen2-Audio for audio, all on
-one trained-in-memory tokenizer and one chat template.
+checkpoint: Qwen3 for text, Qwen3-MoE for routed experts, Qwen3-VL for images,
+Qwen2-Audio for audio, all on one trained-in-memory tokenizer and one chat template.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
@@ -170,6 +172,27 @@ def build_tiny_vl(seed: int = 0) -> tuple[Qwen3VLForConditionalGeneration, Proce
         image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
     )
     return _finish(model, tokenizer), processor
+
+
+def build_tiny_moe(seed: int = 0) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokenizerFast]:
+    """Qwen3MoeForCausalLM (Qwen3-30B-A3B's architecture): both layers sparse, 8 experts of width 32, 2 routed
+    per token, top-k weights renormalised; otherwise the text model's shape."""
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(
+        **_TEXT,
+        **_special_ids(tokenizer),
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    with seeded(seed):
+        model = Qwen3MoeForCausalLM(config)
+    return _finish(model, tokenizer), tokenizer
 
 
 def build_tiny_audio(seed: int = 0) -> tuple[Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor]:
