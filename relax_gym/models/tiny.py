@@ -181,8 +181,7 @@ def build_tiny_moe(seed: int = 0) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokeni
     config = Qwen3MoeConfig(
         **_TEXT,
         **_special_ids(tokenizer),
-        head_dim=16,
-        num_experts=8,
+        num_experts=8,  # heads of 64 / 4 = 16, as the text model's (this config takes no head_dim)
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         decoder_sparse_step=1,
