@@ -1,0 +1,85 @@
+"""The routed experts of a mixture-of-experts model: recorded in one forward, replayed in another (R3).
+
+An MoE layer's router picks each token's top-k experts from its own logits, so two forwards that differ in
+the last bit (the engine in bf16, the trainer in fp32; another batch shape) can route a token to other
+experts, and the trainer's logprobs then describe a policy the engine never ran. Rollout routing replay
+(R3) records the engine's choices and makes the trainer's routers take them. The routers still train: the
+weights of the replayed experts are the router's own softmax probabilities at those experts, so the
+gradient reaches the router as it would have had it chosen them.
+
+Routers are found by what transformers' MoE routers have in common (Qwen3-MoE's `Qwen3MoeTopKRouter`:
+`top_k`, `num_experts`, a `weight`, and a forward on [tokens, hidden] giving (logits, top-k weights, top-k
+indices)); a model without them has no routes. Routes are per router, in the model's layer order, each a
+[tokens, top_k] tensor of expert indices in the order the router sees the tokens: the batch flattened row
+by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's top-k routers, in layer order ([] for a dense model)."""
+    return [m for m in model.modules()
+            if type(m).__name__.endswith("Router") and all(hasattr(m, a) for a in ("top_k", "num_experts", "weight"))]
+
+
+@contextmanager
+def recording(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Yields one list per router that each forward inside the block appends its [tokens, top_k] indices to."""
+    found = routers(model)
+    routes: list[list[torch.Tensor]] = [[] for _ in found]
+
+    def keep(layer: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
+            routes[layer].append(output[2].detach())
+        return hook
+
+    handles = [router.register_forward_hook(keep(i)) for i, router in enumerate(found)]
+    try:
+        yield routes
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def replaying(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
+    """Inside the block every forward's routers take `routes` ([routers, tokens, top_k] indices, for the
+    tokens of one forward, flattened as the routers see them) instead of their own top-k; the top-k weights
+    are the router's softmax probabilities at those experts, renormalised when the model renormalises its own."""
+    found = routers(model)
+    if routes.dim() != 3 or routes.shape[0] != len(found):
+        raise ValueError(f"routes of shape {tuple(routes.shape)}: expected [{len(found)} routers, tokens, top_k]")
+
+    def replayed(router: nn.Module, chosen: torch.Tensor) -> Any:
+        weight, top_k = cast(torch.Tensor, router.weight), int(cast(int, router.top_k))
+        renormalise = bool(getattr(router, "norm_topk_prob", False))
+
+        def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            hidden = hidden_states.reshape(-1, weight.shape[1])
+            if chosen.shape != (hidden.shape[0], top_k):
+                raise ValueError(f"replayed routes of shape {tuple(chosen.shape)} for {hidden.shape[0]} tokens and "
+                                 f"top_k {top_k}")
+            logits = nn.functional.linear(hidden, weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            index = chosen.to(device=logits.device, dtype=torch.long)
+            weights = probs.gather(-1, index)
+            if renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), index
+        return forward
+
+    try:
+        for router, chosen in zip(found, routes, strict=True):
+            router.forward = replayed(router, chosen)
+        yield
+    finally:
+        for router in found:
+            router.__dict__.pop("forward", None)  # the class's own forward again
