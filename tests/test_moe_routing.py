@@ -1,23 +1,34 @@
 """Routed experts recorded in one forward and replayed in another (`relax_gym.models.moe_routing`, R3's core):
 replaying a forward's own routes changes nothing, other routes change the output, the routers still get
-gradients, and a token's route does not depend on the batch it is in."""
+gradients, and a token's route does not depend on the batch it is in. Engines return them as SGLang does
+(`return_routed_experts`), in-process and over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 import torch
+from engine_support import KEY, serving
 
-from relax_gym.models import load_model
+from relax_gym.engines import EmbeddedEngine, GenerateRequest, RequestError, SamplingParams, SGLangEngine
+from relax_gym.models import LoadedModel, load_model
 from relax_gym.models.moe_routing import recording, replaying, routers
+
+
+def sharpened() -> LoadedModel:
+    """tiny-moe whose routers are far from uniform (a random router's logits are near-equal), the same each call."""
+    loaded = load_model("tiny-moe")
+    with torch.no_grad():
+        for router in routers(loaded.model):
+            router.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    return loaded
 
 
 @pytest.fixture(scope="module")
 def moe():
-    loaded = load_model("tiny-moe")
-    with torch.no_grad():  # a random router is near-uniform; sharper logits make routes that matter
-        for router in routers(loaded.model):
-            router.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
-    return loaded.model
+    return sharpened().model
 
 
 IDS = torch.tensor([[5, 17, 300, 42, 9, 77, 123, 8]])
@@ -78,3 +89,52 @@ def test_routes_of_the_wrong_shape_are_refused(moe):
     short = pytest.raises(ValueError, match=r"replayed routes of shape \(5, 2\) for 8 tokens")
     with short, replaying(moe, torch.zeros(2, 5, 2, dtype=torch.long)), torch.no_grad():
         moe(input_ids=IDS)
+
+
+REQUEST = GenerateRequest([5, 17, 300, 42, 9], SamplingParams(temperature=1.0, max_new_tokens=6, seed=3),
+                          return_routed_experts=True)
+
+
+def _engine_routes(out, model) -> torch.Tensor:
+    layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    return torch.from_numpy(out.routed_experts.copy()).view(-1, layers, top_k)
+
+
+def test_the_engine_returns_the_routes_the_trainer_takes_for_every_token_it_ran(moe):
+    """As SGLang's `return_routed_experts`: int32 [token, layer, top_k] for prompt and output but the last token;
+    the trainer's own forward of those tokens (fp32, as the engine here) routes every one of them alike."""
+    async def run(engine: EmbeddedEngine):
+        try:
+            return await engine.generate(REQUEST)
+        finally:
+            await engine.close()
+
+    out = asyncio.run(run(EmbeddedEngine(sharpened())))
+    routes = _engine_routes(out, moe)
+    ran = [*REQUEST.input_ids, *out.output_ids][:-1]
+    assert out.routed_experts.dtype == np.int32 and routes.shape == (len(ran), 2, 2)
+    _, trainer = _routes(moe, torch.tensor([ran]))
+    assert torch.equal(routes, trainer.permute(1, 0, 2).to(torch.int32))
+
+
+def test_routes_come_over_http_as_sglang_encodes_them_and_a_dense_model_has_none(moe):
+    async def both(client: SGLangEngine, local: EmbeddedEngine):
+        try:
+            return await client.generate(REQUEST), await local.generate(REQUEST)
+        finally:
+            await client.close()
+            await local.close()
+
+    with serving(sharpened()) as (url, _):
+        remote, local = asyncio.run(both(SGLangEngine(url, api_key=KEY), EmbeddedEngine(sharpened())))
+    assert remote.output_ids == local.output_ids
+    assert np.array_equal(remote.routed_experts, local.routed_experts)
+
+    async def dense(engine: EmbeddedEngine):
+        try:
+            with pytest.raises(RequestError, match=r"return_routed_experts: model 'tiny' has no mixture-of-experts"):
+                await engine.generate(REQUEST)
+        finally:
+            await engine.close()
+
+    asyncio.run(dense(EmbeddedEngine(load_model("tiny"))))

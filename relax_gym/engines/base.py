@@ -94,6 +94,8 @@ class GenerateRequest:
     audios: list[tuple[np.ndarray, int]] = field(default_factory=list)
     mm_inputs: dict[str, Any] | None = None
     rid: str | None = None
+    #: SGLang's `return_routed_experts`: the output carries the experts each MoE layer routed every token to
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -109,6 +111,9 @@ class GenerateOutput:
     #: each output token's version, where a weight update fell within the output (a request that a pause
     #: aborted and the client resumed); None: every token's is `weight_version`
     token_versions: list[int] | None = None
+    #: with `return_routed_experts`, as SGLang returns them: int32 expert indices laid out [token, layer, top_k]
+    #: (flat) for the tokens the model ran, positions 0 .. prompt + output - 2 (the last output token never ran)
+    routed_experts: np.ndarray | None = None
 
     def versions(self) -> list[int]:
         """The version of each output token."""

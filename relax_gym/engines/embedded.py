@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +69,7 @@ from relax_gym.engines.base import (
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, encode_media
+from relax_gym.models.moe_routing import recording, routers
 
 #: "continuous": requests join a running batch (text-only models); "static": one `generate` per batch
 Batching = Literal["continuous", "static"]
@@ -286,6 +287,7 @@ class EmbeddedEngine:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_token_ids = loaded.stop_token_ids()
         self.placeholder_token_ids = self._placeholder_ids()
+        self._routers = routers(self.model)
         tokenizer = loaded.tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -464,6 +466,8 @@ class EmbeddedEngine:
         ids, params = request.input_ids, request.sampling
         if not ids:
             raise RequestError("input_ids: empty")
+        if request.return_routed_experts and not self._routers:
+            raise RequestError(f"return_routed_experts: model {self.loaded.name!r} has no mixture-of-experts routers")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"input_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
@@ -631,7 +635,7 @@ class EmbeddedEngine:
             jobs[0].resolve(EngineError(f"generation failed for request {rid!r}: {err!r}"))
             return
         for job, output in zip(jobs, outputs, strict=True):
-            job.resolve(output)
+            self._answer(job, output)
 
     # --- continuous batching ---------------------------------------------------------------
 
@@ -720,8 +724,8 @@ class EmbeddedEngine:
             if reason is None:
                 going.append(i)
             else:
-                job.resolve(GenerateOutput(row.output_ids, row.logprobs, reason, row.version,
-                                           len(job.request.input_ids)))
+                self._answer(job, GenerateOutput(row.output_ids, row.logprobs, reason, row.version,
+                                                 len(job.request.input_ids)))
         return going, tokens
 
     # --- static batching --------------------------------------------------------------------
@@ -768,6 +772,30 @@ class EmbeddedEngine:
                 decoder.output_ids, decoder.logprobs, decoder.reasons, prompts, strict=True
             )
         ]
+
+    def _answer(self, job: _Job, output: GenerateOutput) -> None:
+        """Resolves `job` with `output`, and its routed experts when it asked for them."""
+        if job.request.return_routed_experts:
+            try:
+                output = replace(output, routed_experts=self._routed_experts(job, output.output_ids))
+            except Exception as err:  # this request's failure, not the batch's
+                job.resolve(EngineError(f"routed experts of request {job.request.rid!r}: {err!r}"))
+                return
+        job.resolve(output)
+
+    def _routed_experts(self, job: _Job, output_ids: list[int]) -> np.ndarray:
+        """SGLang's layout ([token, layer, top_k] int32, flat) of the sequence the model ran: prompt and output
+        but the last token. One forward of that sequence, on the weights and in the dtype that generated it (an
+        update waits for the batch to empty), rather than the decode steps' own routes, which would need every
+        row tracked through the running batch's padding; the two differ only by floating-point order (a
+        token's route does not depend on its batch)."""
+        ran = [*job.request.input_ids, *output_ids][:-1]
+        if not ran:
+            return np.empty(0, dtype=np.int32)
+        inputs = self._batch_inputs([ran], [job.mm_inputs])
+        with recording(self.model) as routes, torch.no_grad():
+            self.model(**inputs)
+        return torch.stack([layer[0] for layer in routes], dim=1).to(torch.int32).cpu().numpy().reshape(-1)
 
     def _batch_inputs(self, prompts: list[list[int]],
                       mm_inputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -171,6 +171,7 @@ class GenerateIn(BaseModel):
     logprob_start_len: int = -1
     rid: Annotated[Text, Field(max_length=256)] | None = None
     stream: bool = False
+    return_routed_experts: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateIn:
@@ -379,6 +380,8 @@ def _answer(
     }
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs, out.output_ids, strict=True)]
+    if out.routed_experts is not None:  # SGLang's encoding: base64 of the int32 [token, layer, top_k] array
+        meta["routed_experts"] = base64.b64encode(out.routed_experts.astype(np.int32).tobytes()).decode()
     return {"text": text, "output_ids": out.output_ids, "meta_info": meta}
 
 
@@ -416,12 +419,13 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
         async with decoders:
             images, audios = await asyncio.to_thread(_decode_media, body, limits)
+        routes = body.return_routed_experts
         if body.input_ids is not None:
-            return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid)
+            return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes)
         assert body.text is not None  # GenerateIn's validator: exactly one of text and input_ids
         ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios)
         _check_length(len(ids), params.max_new_tokens, context, "text")
-        return GenerateRequest(ids, params, images, audios, media or None, body.rid)
+        return GenerateRequest(ids, params, images, audios, media or None, body.rid, return_routed_experts=routes)
 
     @app.post("/generate")
     async def generate(body: GenerateIn, request: Request) -> Any:

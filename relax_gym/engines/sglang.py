@@ -259,6 +259,8 @@ class SGLangEngine:
         }
         if request.rid is not None:
             payload["rid"] = request.rid
+        if request.return_routed_experts:
+            payload["return_routed_experts"] = True
         if request.images:
             payload["image_data"] = [png_data_url(image) for image in request.images]
         if request.audios:
@@ -283,8 +285,9 @@ class SGLangEngine:
             raise EngineError(f"server at {self.base_url}: request {request.rid!r} was aborted by {MAX_RESUMES + 1} "
                               "pauses in a row")
         token_versions = versions if len(set(versions)) > 1 else None
+        # the last part's routes cover the whole sequence: a resent part's prompt holds the earlier parts' tokens
         return GenerateOutput(ids, logprobs, part.finish_reason, part.weight_version, len(request.input_ids),
-                              token_versions)
+                              token_versions, part.routed_experts)
 
     def _output(self, body: dict[str, Any], prompt_tokens: int) -> GenerateOutput:
         meta = body.get("meta_info") or {}
@@ -302,8 +305,10 @@ class SGLangEngine:
                 "the prompt again (SGLang decodes the ids of a prompt with images, audio or video and runs its "
                 "processor on the text), so its tokens and logprobs are not the trajectory's")
         before, self._version = self._version, _version(meta.get("weight_version"), self._version)
+        routes = meta.get("routed_experts")  # SGLang's: base64 of int32 [token, layer, top_k]
         return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version, prompt_tokens,
-                              _span_versions(meta, len(ids), before))
+                              _span_versions(meta, len(ids), before),
+                              None if routes is None else np.frombuffer(base64.b64decode(routes), dtype=np.int32))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:
