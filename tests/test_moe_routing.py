@@ -56,6 +56,21 @@ def test_replaying_a_forwards_own_routes_changes_nothing_and_other_routes_change
     assert torch.equal(_routes(moe, IDS)[0], logits)  # the routers are their own again after the block
 
 
+def test_a_token_without_a_recorded_route_keeps_the_routers_own_choice(moe):
+    """-1 marks tokens with no recorded route: they route as without replay, the others as replayed."""
+    logits, routes = _routes(moe, IDS)
+    other = (routes + 1) % moe.config.num_experts
+    with replaying(moe, torch.full_like(routes, -1)), torch.no_grad():
+        assert torch.equal(moe(input_ids=IDS).logits, logits)  # nothing recorded: the model's own forward
+    mixed = other.clone()
+    mixed[:, 4:] = -1  # the last four tokens unrecorded
+    with recording(moe) as taken, replaying(moe, mixed), torch.no_grad():
+        moe(input_ids=IDS)
+    replayed = torch.stack([layer[0] for layer in taken])
+    assert torch.equal(replayed[:, :4], other[:, :4])
+    assert not torch.equal(replayed[:, 4:], other[:, 4:])  # their own choice, not the shifted one
+
+
 def test_replayed_routes_still_train_the_routers(moe):
     _, routes = _routes(moe, IDS)
     other = (routes + 3) % moe.config.num_experts

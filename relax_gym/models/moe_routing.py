@@ -53,7 +53,9 @@ def recording(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
 def replaying(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
     """Inside the block every forward's routers take `routes` ([routers, tokens, top_k] indices, for the
     tokens of one forward, flattened as the routers see them) instead of their own top-k; the top-k weights
-    are the router's softmax probabilities at those experts, renormalised when the model renormalises its own."""
+    are the router's softmax probabilities at those experts, renormalised when the model renormalises its own.
+    A token whose route is -1 (none was recorded: padding, tokens after the engine's last forward) keeps the
+    router's own choice."""
     found = routers(model)
     if routes.dim() != 3 or routes.shape[0] != len(found):
         raise ValueError(f"routes of shape {tuple(routes.shape)}: expected [{len(found)} routers, tokens, top_k]")
@@ -70,6 +72,9 @@ def replaying(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
             logits = nn.functional.linear(hidden, weight)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             index = chosen.to(device=logits.device, dtype=torch.long)
+            unrecorded = (index < 0).any(dim=-1, keepdim=True)
+            if unrecorded.any():
+                index = torch.where(unrecorded, torch.topk(probs, top_k, dim=-1).indices, index)
             weights = probs.gather(-1, index)
             if renormalise:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
