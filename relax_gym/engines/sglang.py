@@ -314,36 +314,36 @@ class SGLangEngine:
         """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:
         shared with a server on this host (`tensor_ipc`: CUDA IPC or shared memory, SGLang's payload), else as
         base64 safetensors, which only `relax-gym serve` reads."""
-        payload: dict[str, Any]
         if isinstance(weights, (str, os.PathLike)):
-            route, payload = "/update_weights_from_disk", {"model_path": str(weights)}
+            await self._update("/update_weights_from_disk", {"model_path": str(weights)}, version)
+        elif isinstance(weights, Mapping) and self.share_tensors:
+            # this process's memory: `shared` holds it until the server has answered (and copied it)
+            shared, self._shared = tensor_ipc.pack(weights, into=self._shared), None
+            ranks = int((await self._server_info()).get("tp_size") or 1)
+            await self._update("/update_weights_from_tensor",
+                               {"serialized_named_tensors": tensor_ipc.serialize(shared, ranks)}, version)
+            if all(t.device.type == "cpu" for _, t in shared):
+                self._shared = shared  # answered, so done with: refilled next time (a GPU buffer goes back to torch)
         elif isinstance(weights, Mapping):
-            # tensors shared with the server are this process's memory: `shared` holds them until it has answered
-            shared, self._shared = (tensor_ipc.pack(weights, into=self._shared) if self.share_tensors else None), None
-            route, payload = "/update_weights_from_tensor", await self._tensor_payload(weights, shared)
+            if not str((await self._server_info()).get("backend", "")).startswith(SERVE_BACKEND):
+                raise RequestError(
+                    f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor "
+                    "takes tensors shared from its own host (share_tensors is off: by default, for a URL that is not "
+                    "loopback), not a state dict over HTTP: send a folder (weight_sync: disk) or broadcast the "
+                    "weights (weight_sync: distributed)")
+            # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
+            blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
+            await self._update("/update_weights_from_tensor", {"safetensors_b64": base64.b64encode(blob).decode()},
+                               version)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
+
+    async def _update(self, route: str, payload: dict[str, Any], version: int) -> None:
+        """One weight route with `version`; the server must say it succeeded."""
         # flush_cache false: `pause` flushed already, and SGLang asserts (before 0.5.22) when a flush fails
         payload |= {"weight_version": str(version), "flush_cache": False}
         self._succeeded(route, await self._request("POST", route, payload))
         self._version = version
-        if isinstance(weights, Mapping) and shared and all(t.device.type == "cpu" for _, t in shared):
-            self._shared = shared  # answered, so done with: refilled next time (a GPU buffer goes back to torch)
-
-    async def _tensor_payload(self, weights: Mapping[str, torch.Tensor],
-                              shared: list[tuple[str, torch.Tensor]] | None) -> dict[str, Any]:
-        info = await self._server_info()
-        if shared is not None:
-            return {"serialized_named_tensors": tensor_ipc.serialize(shared, int(info.get("tp_size") or 1))}
-        if not str(info.get("backend", "")).startswith(SERVE_BACKEND):
-            raise RequestError(
-                f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor takes "
-                "tensors shared from its own host (share_tensors is off: by default, for a URL that is not loopback), "
-                "not a state dict over HTTP: send a folder (weight_sync: disk) or broadcast the weights "
-                "(weight_sync: distributed)")
-        # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
-        blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
-        return {"safetensors_b64": base64.b64encode(blob).decode()}
 
     async def init_weights_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -363,17 +363,12 @@ class SGLangEngine:
     ) -> None:
         """Has the server receive `names` by broadcast from rank 0 of `group_name`, in this order, then load them
         and take `version`. Returns when it has: rank 0 broadcasts the tensors meanwhile."""
-        payload = {
+        await self._update("/update_weights_from_distributed", {
             "names": list(names),
             "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
             "shapes": [[int(n) for n in shape] for shape in shapes],
             "group_name": group_name,
-            "weight_version": str(version),
-            "flush_cache": False,  # as in `update_weights`
-        }
-        route = "/update_weights_from_distributed"
-        self._succeeded(route, await self._request("POST", route, payload))
-        self._version = version
+        }, version)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         route = "/destroy_weights_update_group"
