@@ -182,30 +182,44 @@ class GenerateIn(BaseModel):
         return self
 
 
-class UpdateFromDiskIn(BaseModel):
-    model_path: Text
+class UpdateIn(BaseModel):
+    """What every weight update takes."""
+
     weight_version: int | Text | None = None
     flush_cache: bool = True
 
 
-class UpdateFromTensorIn(BaseModel):
+class UpdateOptionsIn(UpdateIn):
+    """SGLang's further options of the tensor and distributed updates, accepted at their defaults only."""
+
+    abort_all_requests: bool = False
+    load_format: Text | None = None
+
+    @model_validator(mode="after")
+    def _defaults_only(self) -> UpdateOptionsIn:
+        if self.load_format is not None:
+            raise ValueError(f"load_format: only the default (SGLang's flattened buckets are not read), got "
+                             f"{self.load_format!r}")
+        if self.abort_all_requests:
+            raise ValueError("abort_all_requests: only false (pause the server first; the running batch finishes "
+                             "before the update)")
+        return self
+
+
+class UpdateFromDiskIn(UpdateIn):
+    model_path: Text
+
+
+class UpdateFromTensorIn(UpdateOptionsIn):
     safetensors_b64: str | None = None
     #: SGLang's: one entry per tensor-parallel rank (this server is one rank), `tensor_ipc`'s pickles
     serialized_named_tensors: list[str] | None = Field(None, min_length=1)
-    weight_version: int | Text | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    load_format: Text | None = None
 
     @model_validator(mode="after")
     def _one_payload(self) -> UpdateFromTensorIn:
         if (self.safetensors_b64 is None) == (self.serialized_named_tensors is None):
             raise ValueError("give exactly one of serialized_named_tensors (SGLang's: tensors shared on this host) "
                              "and safetensors_b64 (base64 of a safetensors file of {name: tensor})")
-        if self.load_format is not None:
-            raise ValueError(f"load_format: only the default (named tensors), got {self.load_format!r}")
-        if self.abort_all_requests:
-            raise ValueError("abort_all_requests: only false (pause the server first)")
         return self
 
 
@@ -230,15 +244,11 @@ class InitGroupIn(BaseModel):
         return self
 
 
-class UpdateFromDistributedIn(BaseModel):
+class UpdateFromDistributedIn(UpdateOptionsIn):
     names: list[Text] = Field(min_length=1)
     dtypes: list[Text]
     shapes: list[list[Annotated[int, Field(ge=0)]]]
     group_name: GroupName = DEFAULT_GROUP
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: int | Text | None = None
-    load_format: Text | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> UpdateFromDistributedIn:
@@ -247,10 +257,6 @@ class UpdateFromDistributedIn(BaseModel):
                              "items; one of each per tensor")
         if len(set(self.names)) != len(self.names):
             raise ValueError("names: a name is listed twice")
-        if self.load_format is not None:
-            raise ValueError(f"load_format: only the default (one broadcast per tensor), got {self.load_format!r}")
-        if self.abort_all_requests:
-            raise ValueError("abort_all_requests: only false (the running batch finishes before the update)")
         return self
 
 
