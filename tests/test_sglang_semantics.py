@@ -24,6 +24,7 @@ from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED
 from relax_gym.models import LoadedModel, load_model, processor_inputs
 from relax_gym.models.inputs import at_model_rate
+from relax_gym.rollout.tokens import ConversationTokens
 
 STEP_S = 0.004  # each forward of the served model sleeps this long, so a long request is still running when paused
 LONG = 300  # tokens: about 1.2 s at STEP_S
@@ -186,6 +187,10 @@ def test_audio_goes_to_engines_at_the_models_rate_so_a_server_resamples_nothing(
     original, served = processor_inputs(loaded, convo), processor_inputs(loaded, again)
     assert all(torch.equal(original[k], served[k]) for k in original)
     assert at_model_rate(loaded, [(resampled, rate)])[0][0] is resampled  # at the rate already: left as it is
+    conv = ConversationTokens.start(loaded, convo)  # what the rollout manager's requests carry
+    assert conv.media[0][1] == 8_000  # the trajectory keeps the clip as the env gave it
+    [(sent, sent_rate)] = conv.request_audios
+    assert sent_rate == rate and np.array_equal(sent, resampled)
 
 
 def test_seeds_go_to_sglang_in_31_bits():

@@ -29,7 +29,6 @@ from relax_gym.engines.base import (
 )
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
-from relax_gym.models.inputs import at_model_rate
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
@@ -260,7 +259,7 @@ class _Episode:
                 input_ids=list(self.conv.token_ids),
                 sampling=sampling,
                 images=[x for x in self.conv.media if not isinstance(x, tuple)],
-                audios=at_model_rate(m.loaded, [x for x in self.conv.media if isinstance(x, tuple)]),
+                audios=self.conv.request_audios,
                 mm_inputs=self.conv.mm_inputs() or None,
                 rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
             )

@@ -27,10 +27,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from relax_gym.messages import Message, message, text
 from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render_ids, sequence_inputs
+from relax_gym.models.inputs import at_model_rate
 from relax_gym.models.template_traits import (
     MARK,
     NEXT,
@@ -131,6 +133,8 @@ class ConversationTokens:
     versions: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     media: list[Any] = field(default_factory=list)
+    #: the audio clips of `media` as engine requests carry them (`at_model_rate`), resampled once, on arrival
+    request_audios: list[tuple[np.ndarray, int]] = field(default_factory=list)
     #: each turn's processor outputs for `media` (pixel_values, image_grid_thw, ...), in turn order
     turn_mm_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
     prompt_len: int = 0
@@ -158,6 +162,8 @@ class ConversationTokens:
         start = len(self.token_ids)
         first_media = len(self.media)
         self.media += _media_of(new_messages)
+        new_audios = [x for x in self.media[first_media:] if isinstance(x, tuple)]
+        self.request_audios += at_model_rate(self.loaded, new_audios)
         if features:
             self.turn_mm_inputs.append(features)
         self.token_ids += ids
