@@ -149,11 +149,8 @@ def longest_trainable(backend: TorchBackend, loss_fn: Any, limit: int) -> int:
     return low
 
 
-def megatron_tokens_per_s(base: LoadedModel, args: argparse.Namespace, device: torch.device) -> float:
-    """`MegatronBackend.train_step` (one rank, its default dtype: bf16 on a GPU) on the trainer's samples."""
-    from relax_gym.trainer.backends.megatron import MegatronBackend
-
-    backend = MegatronBackend(clone(base), lr=1e-6, micro_batch_tokens=args.train_seqs * args.train_len)
+def train_tokens_per_s(backend: Any, args: argparse.Namespace, device: torch.device) -> float:
+    """Tokens per second of one `train_step` on `--train-seqs` sequences of `--train-len`, after a warm-up step."""
     loss_fn = make_loss_fn(AlgorithmConfig())
     samples = train_samples(args.train_seqs, args.train_len)
     backend.train_step(samples, loss_fn)  # warm-up
@@ -162,6 +159,14 @@ def megatron_tokens_per_s(base: LoadedModel, args: argparse.Namespace, device: t
     backend.train_step(samples, loss_fn)
     synchronize(device)
     return args.train_seqs * args.train_len / (time.perf_counter() - start)
+
+
+def megatron_tokens_per_s(base: LoadedModel, args: argparse.Namespace, device: torch.device) -> float:
+    """`train_tokens_per_s` of `MegatronBackend` (one rank, its default dtype: bf16 on a GPU)."""
+    from relax_gym.trainer.backends.megatron import MegatronBackend
+
+    backend = MegatronBackend(clone(base), lr=1e-6, micro_batch_tokens=args.train_seqs * args.train_len)
+    return train_tokens_per_s(backend, args, device)
 
 
 def main() -> None:
@@ -202,14 +207,7 @@ def main() -> None:
 
         backend = TorchBackend(clone(base), lr=1e-6, device=device,
                                micro_batch_tokens=args.train_seqs * args.train_len)
-        loss_fn = make_loss_fn(AlgorithmConfig())
-        samples = train_samples(args.train_seqs, args.train_len)
-        backend.train_step(samples, loss_fn)  # warm-up
-        synchronize(device)
-        start = time.perf_counter()
-        backend.train_step(samples, loss_fn)
-        synchronize(device)
-        train_tps = args.train_seqs * args.train_len / (time.perf_counter() - start)
+        train_tps = train_tokens_per_s(backend, args, device)
         rows.append(("trainer tokens/s (fwd + bwd + AdamW)", f"{train_tps:,.0f}"))
         if device.type == "cuda":
             rows.append(("trainer MFU", f"{6 * params * train_tps / (args.peak_tflops * 1e12):.1%}"))
@@ -231,7 +229,7 @@ def main() -> None:
                                                            f"({gigabytes:.2f} GB)"))
         if device.type == "cuda":
             rows.append(("longest trainable sequence (1 per step)",
-                         f"{longest_trainable(backend, loss_fn, args.longest_limit):,} tokens"))
+                         f"{longest_trainable(backend, make_loss_fn(AlgorithmConfig()), args.longest_limit):,} tokens"))
         del backend, state
     finally:
         asyncio.run(engine.close())

@@ -490,24 +490,31 @@ def test_cancelling_a_call_that_waits_out_an_outage_ends_it():
     assert asyncio.run(_with_client(url, use, backoff_s=0.01, max_backoff_s=0.05, outage_timeout_s=600))
 
 
-@pytest.mark.timeout(60)
-def test_the_pool_lets_every_concurrent_request_reach_the_server(served):
-    """150 concurrent /generate calls on a paused server are all sent at once (httpx's default pool
-    would hold 50 of them back, then abort them once its pool timeout ran out)."""
+def _held_by_a_paused_server(served, n: int, held: int, **client_kwargs) -> tuple[int, list]:
+    """`n` concurrent one-token requests to the paused tiny server: how many it holds once `held` have arrived
+    (and half a second more, for any others the client's pool lets through), then every output once resumed."""
     url, engine = served["tiny"]
     tiny = SamplingParams(temperature=0, max_new_tokens=1)
 
     async def use(client: SGLangEngine):
         await client.pause()
         try:
-            calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(150)]
-            await _until(lambda: len(engine._jobs) >= 150 or any(c.done() for c in calls), "150 queued requests")
+            calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(n)]
+            await _until(lambda: len(engine._jobs) >= held or any(c.done() for c in calls), f"{held} queued requests")
+            await asyncio.sleep(0.5)
             queued = len(engine._jobs)
         finally:
             await client.resume()
         return queued, await asyncio.gather(*calls)
 
-    queued, outputs = asyncio.run(_with_client(url, use))
+    return asyncio.run(_with_client(url, use, **client_kwargs))
+
+
+@pytest.mark.timeout(60)
+def test_the_pool_lets_every_concurrent_request_reach_the_server(served):
+    """150 concurrent /generate calls on a paused server are all sent at once (httpx's default pool
+    would hold 50 of them back, then abort them once its pool timeout ran out)."""
+    queued, outputs = _held_by_a_paused_server(served, 150, 150)
     assert queued == 150 and len(outputs) == 150 and all(len(out.output_ids) == 1 for out in outputs)
 
 
@@ -515,21 +522,7 @@ def test_the_pool_lets_every_concurrent_request_reach_the_server(served):
 def test_a_capped_pool_holds_requests_back_without_timing_them_out(served):
     """`max_connections=8`, split between the client's pools (`ShardedTransport`): a paused server sees at most
     8 requests at once, and the 40 others wait for a connection as long as it takes, then complete."""
-    url, engine = served["tiny"]
-    tiny = SamplingParams(temperature=0, max_new_tokens=1)
-
-    async def use(client: SGLangEngine):
-        await client.pause()
-        try:
-            calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(48)]
-            await _until(lambda: len(engine._jobs) >= 8, "8 queued requests")
-            await asyncio.sleep(0.5)
-            queued = len(engine._jobs)
-        finally:
-            await client.resume()
-        return queued, await asyncio.gather(*calls)
-
-    queued, outputs = asyncio.run(_with_client(url, use, max_connections=8))
+    queued, outputs = _held_by_a_paused_server(served, 48, 8, max_connections=8)
     assert queued == 8 and len(outputs) == 48 and all(len(out.output_ids) == 1 for out in outputs)
 
 
