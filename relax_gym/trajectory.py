@@ -61,6 +61,10 @@ class Trajectory:
     metrics: dict[str, Any] = field(default_factory=dict)
     infos: list[dict[str, Any]] = field(default_factory=list)
     seed: int | None = None
+    #: with routing replay (R3): the experts each MoE layer routed each token to in the engine's last forward,
+    #: [tokens, layers, top_k] int16 for tokens 0..k (k < len(token_ids): the last token never ran); in JSONL
+    #: as {"shape", "int16_b64"}
+    routed_experts: np.ndarray | None = None
 
     def check(self) -> None:
         """Raises ValueError when the per-token fields disagree; cheap enough to run on every record."""
@@ -75,6 +79,9 @@ class Trajectory:
                 raise ValueError(f"token {i} is masked but has logprob {lp} / version {v} (expected 0.0 / -1)")
             if m == 1 and v < 0:
                 raise ValueError(f"token {i} is trained but has no policy version")
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or routes.shape[0] >= max(n, 1)):
+            raise ValueError(f"routed_experts of shape {routes.shape}: expected [tokens < {n}, layers, top_k]")
 
     @property
     def num_generated(self) -> int:
@@ -90,6 +97,8 @@ class Trajectory:
         out = {name: getattr(self, name) for name in _JSON_FIELDS}
         out["segments"] = [dict(vars(s)) for s in self.segments]
         out["media"] = [media_to_json(m) for m in self.media]
+        if self.routed_experts is not None:
+            out["routed_experts"] = routes_to_json(self.routed_experts)
         return out
 
     @classmethod
@@ -97,12 +106,27 @@ class Trajectory:
         data = dict(data)
         data["segments"] = [Segment(**s) for s in data.get("segments", [])]
         data["media"] = [media_from_json(m) for m in data.get("media", [])]
+        if data.get("routed_experts") is not None:
+            data["routed_experts"] = routes_from_json(data["routed_experts"])
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-#: the fields `to_json` writes as they are (media are encoded, segments flattened, processor outputs left out)
-_JSON_FIELDS = tuple(f.name for f in fields(Trajectory) if f.name not in ("mm_inputs", "media", "segments"))
+#: the fields `to_json` writes as they are (media and routes are encoded, segments flattened, processor outputs
+#: left out)
+_JSON_FIELDS = tuple(f.name for f in fields(Trajectory)
+                     if f.name not in ("mm_inputs", "media", "segments", "routed_experts"))
+
+
+def routes_to_json(routes: np.ndarray) -> dict[str, Any]:
+    """Routed experts as their shape and their int16 bytes in base64 (a JSON list would be ~4x larger)."""
+    return {"shape": list(routes.shape), "int16_b64": base64.b64encode(routes.astype("<i2").tobytes()).decode()}
+
+
+def routes_from_json(item: dict[str, Any]) -> np.ndarray:
+    """The [tokens, layers, top_k] array `routes_to_json` wrote."""
+    flat = np.frombuffer(base64.b64decode(item["int16_b64"]), dtype="<i2")
+    return flat.reshape(item["shape"]).astype(np.int16)
 
 
 def media_to_json(item: Any) -> dict[str, Any]:
@@ -165,5 +189,5 @@ def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
             if line.strip():
                 try:
                     yield Trajectory.from_json(json.loads(line))
-                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                except (ValueError, KeyError, TypeError) as err:
                     raise ValueError(f"{path}:{lineno}: not a trajectory record: {err}") from err

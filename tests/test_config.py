@@ -129,7 +129,7 @@ def test_the_algorithm_section_is_the_algorithms_config_plus_loop_options(base):
     from relax_gym.trainer.config import AlgorithmSection
 
     assert set(AlgorithmSection.model_fields) - set(AlgorithmConfig.model_fields) == {"recompute_old_logprobs",
-                                                                                      "teacher"}
+                                                                                      "teacher", "routing_replay"}
     cfg = load_config(base, ["algorithm.name=sapo"])
     assert cfg.algorithm.model_dump()["name"] == "sapo"  # the run's config.yaml keeps the users' key
     with pytest.raises(ConfigError, match=r"Did you mean 'algorithm\.name'"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -34,6 +35,9 @@ class Sample:
     teacher_logprobs: torch.Tensor | None = None
     #: per-token policy versions (-1 where masked), for staleness metrics
     versions: list[int] | None = None
+    #: the engine's routed experts, [tokens, layers, top_k] (`Trajectory.routed_experts`), which a backend made
+    #: with routing replay makes its routers take
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass

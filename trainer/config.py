@@ -140,6 +140,9 @@ class AlgorithmSection(AlgorithmConfig):
     recompute_old_logprobs: bool = True
     #: a model (tiny name or folder) whose logprobs are the distillation target
     teacher: str | None = None
+    #: rollout routing replay (R3) for MoE policies: the engine returns each token's routed experts, trajectories
+    #: keep them, and the trainer's routers take them in every policy forward (reference and teacher route freely)
+    routing_replay: bool = False
 
     @property
     def name(self) -> str:
@@ -235,6 +238,9 @@ class TrainConfig(_Strict):
                              "process of its own (a Ray actor); drop trainer.own_process")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
+        if self.algorithm.routing_replay and self.trainer.backend != "torch":
+            raise ValueError(f"algorithm.routing_replay with trainer.backend={self.trainer.backend}: only the torch "
+                             "backend replays routes (the Megatron bridge here takes dense models only)")
         if self.cluster is not None and self.cluster.trainer.world_size > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"cluster.trainer.world_size={self.cluster.trainer.world_size} needs "
                              "trainer.backend=megatron: the torch backend trains in one process")

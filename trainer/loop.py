@@ -38,6 +38,7 @@ from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestE
 from relax_gym.engines.factory import make_engine
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
+from relax_gym.models.moe_routing import experts_per_token
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
@@ -94,7 +95,8 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
     from relax_gym.trainer.backends.torch_backend import TorchBackend
 
     return TorchBackend(copy.deepcopy(loaded), lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed)
+                        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed,
+                        replay_routes=cfg.algorithm.routing_replay)
 
 
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
@@ -106,7 +108,7 @@ def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
     advantages = one_group_advantages(rewards, std_normalize=std_normalize)
     return [
         Sample(token_ids=t.token_ids, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
-               advantage=float(a), mm_inputs=t.mm_inputs, versions=t.versions)
+               advantage=float(a), mm_inputs=t.mm_inputs, versions=t.versions, routed_experts=t.routed_experts)
         for t, a in zip(usable, advantages.tolist(), strict=True)
     ]
 
@@ -158,6 +160,9 @@ class Trainer:
         #: envs[i].id as given may be a file.py or module: the registered ids they name
         self.env_ids = [resolve_env_id(e.id) for e in cfg.envs]
         self.loaded = load_policy(cfg)
+        if cfg.algorithm.routing_replay and experts_per_token(self.loaded.model.config) is None:
+            raise StartupError(f"algorithm.routing_replay: model {cfg.model.path!r} is not a mixture of experts "
+                               "(nothing to replay); drop it or train an MoE model (e.g. tiny-moe)")
         r = cfg.rollout
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
                   seed=self.task_seed(0))
@@ -210,7 +215,8 @@ class Trainer:
         if world()[1] > 1:  # under torchrun: this is rank 0; the other ranks run `follow`
             self.backend = DrivingBackend(self.backend)
         self.manager = RolloutManager(self.engine, self.loaded, sampling=self.sampling, limits=r.limits(),
-                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
+                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed,
+                                      routed_experts=cfg.algorithm.routing_replay)
 
     def _env_uses(self) -> list[EnvUse]:
         """Every (id, kwargs) the run will build: each env's training kwargs, and its eval kwargs if evals run."""

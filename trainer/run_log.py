@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -83,7 +84,10 @@ class RunLog:
         self.last_step_time = now
         self._write(record)
         if self._trajs is not None:
-            append_jsonl(self._trajs, trajs, step=step)
+            # without routed experts: ~1 KB a token on a large MoE model, 40x the rest of the record, and only the
+            # trainer reads them
+            kept = [replace(t, routed_experts=None) if t.routed_experts is not None else t for t in trajs]
+            append_jsonl(self._trajs, kept, step=step)
         self.progress.update(self._bar, completed=step, status=f"reward {record['reward_mean']:.3f}")
         cut = record["truncated_by"].get("max_new_tokens", 0)
         if cut * 2 >= len(trajs) > 0 and not self._warned_max_new_tokens:

@@ -16,10 +16,11 @@ by row.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +29,38 @@ def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k routers, in layer order ([] for a dense model)."""
     return [m for m in model.modules()
             if type(m).__name__.endswith("Router") and all(hasattr(m, a) for a in ("top_k", "num_experts", "weight"))]
+
+
+def experts_per_token(config: Any) -> int | None:
+    """The model's top-k (`num_experts_per_tok`, as Qwen3-MoE, Mixtral and DeepSeek name it), None if dense."""
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(getattr(config, "text_config", None),
+                                                                    "num_experts_per_tok", None)
+    return int(top_k) if top_k else None
+
+
+def shaped_routes(flat: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
+    """An engine's flat routed experts (SGLang's layout: [token, layer, top_k] in row-major order) for the
+    `tokens` it ran, as an int16 [tokens, layers, top_k] array; ValueError when the sizes do not divide."""
+    if tokens <= 0 or flat.size % (tokens * top_k):
+        raise ValueError(f"{flat.size} routed experts do not divide into {tokens} tokens x layers x top_k {top_k}")
+    return flat.astype(np.int16).reshape(tokens, -1, top_k)
+
+
+def batch_routes(per_row: Sequence[np.ndarray | torch.Tensor | None], width: int, layers: int,
+                 top_k: int) -> torch.Tensor:
+    """[layers, rows x width, top_k] routes for a right-padded batch of rows `width` wide, flattened row by row
+    as a router sees it (what `replaying` takes): each row's recorded [tokens, layers, top_k] routes at its
+    first positions, -1 (the router's own choice) wherever none was recorded."""
+    out = torch.full((layers, len(per_row), width, top_k), -1, dtype=torch.long)
+    for row, routes in enumerate(per_row):
+        if routes is None or len(routes) == 0:
+            continue
+        routes = torch.as_tensor(routes)
+        if routes.dim() != 3 or routes.shape[1:] != (layers, top_k) or routes.shape[0] > width:
+            raise ValueError(f"row {row}: routes of shape {tuple(routes.shape)} for a batch of width {width}, "
+                             f"{layers} routed layers and top_k {top_k}")
+        out[:, row, : routes.shape[0]] = routes.permute(1, 0, 2)
+    return out.reshape(layers, -1, top_k)
 
 
 @contextmanager
@@ -72,9 +105,9 @@ def replaying(model: nn.Module, routes: torch.Tensor) -> Iterator[None]:
             logits = nn.functional.linear(hidden, weight)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             index = chosen.to(device=logits.device, dtype=torch.long)
-            unrecorded = (index < 0).any(dim=-1, keepdim=True)
-            if unrecorded.any():
-                index = torch.where(unrecorded, torch.topk(probs, top_k, dim=-1).indices, index)
+            unrecorded = (index < 0).any(dim=-1).nonzero().squeeze(-1)
+            if len(unrecorded):  # the router's own top-k for those tokens only
+                index = index.index_put((unrecorded,), torch.topk(probs[unrecorded], top_k, dim=-1).indices)
             weights = probs.gather(-1, index)
             if renormalise:
                 weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -18,17 +18,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from relax_gym.core import Env
 from relax_gym.engines.base import (
     SGLANG_SEED_MASK,
     Engine,
     EngineError,
     EngineUnavailableError,
+    GenerateOutput,
     GenerateRequest,
     SamplingParams,
 )
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
+from relax_gym.models.moe_routing import experts_per_token, shaped_routes
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
@@ -108,7 +112,10 @@ class RolloutManager:
         limits: RolloutLimits | None = None,
         max_concurrency: int = MAX_CONCURRENCY,
         sampling_seed: int | None = None,
+        routed_experts: bool = False,
     ):
+        """`routed_experts`: every request asks the engine for the experts each MoE layer routed every token to,
+        and each trajectory keeps its last request's (`Trajectory.routed_experts`), for routing replay."""
         self.engine = engine
         self.loaded = loaded
         self.sampling = sampling or SamplingParams()
@@ -125,6 +132,13 @@ class RolloutManager:
         self.sampling_seed = sampling_seed
         #: a group's episodes share their prompt's render (see `PromptCache`)
         self.prompts = PromptCache()
+        #: with `routed_experts`, the model's experts per token (what shapes the engine's flat routes)
+        self.routes_top_k: int | None = None
+        if routed_experts:
+            self.routes_top_k = experts_per_token(loaded.model.config)
+            if self.routes_top_k is None:
+                raise ValueError(f"routed experts: model {loaded.name!r} is not a mixture of experts "
+                                 "(its config has no num_experts_per_tok)")
 
     def pool(self, env_id: str, env_kwargs: dict[str, Any] | None = None) -> EnvPool:
         key = (env_id, repr(sorted((env_kwargs or {}).items())))
@@ -209,6 +223,8 @@ class _Episode:
         self.infos: list[dict[str, Any]] = []
         self.task = ""
         self.timing = {"generate_s": 0.0, "env_s": 0.0}
+        #: the last request's routed experts (manager.routes_top_k set): [tokens, layers, top_k]
+        self.routes: np.ndarray | None = None
 
     def end(self, status: Status, reason: str = "") -> None:
         if self.status is None:
@@ -262,6 +278,7 @@ class _Episode:
                 audios=self.conv.request_audios,
                 mm_inputs=self.conv.mm_inputs() or None,
                 rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
+                return_routed_experts=m.routes_top_k is not None,
             )
             start = time.perf_counter()
             try:
@@ -274,6 +291,8 @@ class _Episode:
                 return
             finally:
                 self.timing["generate_s"] += time.perf_counter() - start
+            if m.routes_top_k is not None and not self._keep_routes(request, out, m.routes_top_k):
+                return
             action = self.conv.append_generation(out.output_ids, out.logprobs, out.versions(), m.eos_ids)
             if out.finish_reason == "abort":
                 self.end("aborted", "engine aborted the request")
@@ -301,6 +320,21 @@ class _Episode:
                 self.conv.append_observation(env.format_observation(obs))
             except (TemplateError, ValueError) as err:
                 self.end("failed", f"could not render the observation: {err}")
+
+    def _keep_routes(self, request: GenerateRequest, out: GenerateOutput, top_k: int) -> bool:
+        """Keeps `out`'s routed experts (every token the request ran: the prompt and all output tokens but the
+        last); an engine that gave none, or a number that does not fit, aborts the episode (False)."""
+        if out.routed_experts is None:
+            self.end("aborted", "engine: no routed experts in its answer (an SGLang server needs "
+                     "--enable-return-routed-experts)")
+            return False
+        ran = len(request.input_ids) + len(out.output_ids) - 1
+        try:
+            self.routes = shaped_routes(out.routed_experts, ran, top_k)
+        except ValueError as err:
+            self.end("aborted", f"engine: routed experts of request {request.rid!r}: {err}")
+            return False
+        return True
 
     def trajectory(self) -> Trajectory:
         conv = self.conv
@@ -340,6 +374,7 @@ class _Episode:
             metrics=metrics,
             infos=self.infos,
             seed=self.seed,
+            routed_experts=self.routes,
         )
         traj.check()
         return traj

@@ -19,8 +19,9 @@ import inspect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -29,6 +30,7 @@ from transformers import set_seed
 
 from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
 from relax_gym.models.loading import save_model
+from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     build_micro_batch,
@@ -206,6 +208,7 @@ class TorchBackend:
     mode as HF gradient checkpointing requires, `logprobs` in eval mode.
     `seed` seeds python, numpy and torch for the process (as `transformers.set_seed`).
     `optimizer` is public so a learning-rate schedule can be attached to it.
+    `replay_routes` (an MoE model): every forward's routers take its samples' `routed_experts` (R3).
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class TorchBackend:
         device: str | torch.device | None = None,
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        replay_routes: bool = False,
     ) -> None:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
@@ -250,6 +254,10 @@ class TorchBackend:
         self.version = 0
         #: whether the forward can project only chosen positions onto the vocabulary (`token_logprobs`' columns)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        #: with `replay_routes`, the MoE routers that take each sample's `routed_experts` in every forward
+        self._routers = routers(self.model) if replay_routes else []
+        if replay_routes and not self._routers:
+            raise ValueError(f"routing replay: model {loaded.name!r} has no mixture-of-experts routers")
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -302,6 +310,16 @@ class TorchBackend:
         padding = inputs["attention_mask"] == 0
         return logprobs.masked_fill(padding, 0.0), None if entropy is None else entropy.masked_fill(padding, 0.0)
 
+    def _replaying(self, samples: Sequence[Sample]) -> AbstractContextManager[None]:
+        """The block in which the routers take `samples`' routed experts (R3), as the engine routed them; tokens
+        without a recorded route, and every sample without routes, route as the router chooses."""
+        if not self._routers or all(s.routed_experts is None for s in samples):
+            return nullcontext()
+        top_k = int(cast(int, self._routers[0].top_k))
+        routes = batch_routes([s.routed_experts for s in samples], max(len(s.token_ids) for s in samples),
+                              len(self._routers), top_k)
+        return replaying(self.model, routes.to(self.device))
+
     def _micro_batch(
         self, batch: Sequence[Sample], temperature: float, step_tokens: int, step_sequences: int
     ) -> MicroBatch:
@@ -320,7 +338,9 @@ class TorchBackend:
         self.model.eval()
         out: list[LogprobOutput] = []
         for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
-            logprobs, entropy = self._forward([samples[i] for i in group], temperature, with_entropy)
+            batch = [samples[i] for i in group]
+            with self._replaying(batch):
+                logprobs, entropy = self._forward(batch, temperature, with_entropy)
             for row, i in enumerate(group):
                 n = len(samples[i].token_ids)
                 out.append(LogprobOutput(logprobs[row, :n].cpu(), None if entropy is None else entropy[row, :n].cpu()))
@@ -343,10 +363,12 @@ class TorchBackend:
         summed: dict[str, float] = defaultdict(float)
         loss_sum = 0.0
         for group in groups:
-            micro_batch = self._micro_batch([samples[i] for i in group], temperature, step_tokens, step_sequences)
-            loss, metrics = loss_fn(micro_batch)
-            if loss.requires_grad:  # a loss_fn may return a constant for a micro-batch with nothing trained
-                loss.backward()
+            batch = [samples[i] for i in group]
+            with self._replaying(batch):  # the backward too: activation checkpointing runs the forward again
+                micro_batch = self._micro_batch(batch, temperature, step_tokens, step_sequences)
+                loss, metrics = loss_fn(micro_batch)
+                if loss.requires_grad:  # a loss_fn may return a constant for a micro-batch with nothing trained
+                    loss.backward()
             loss_sum += loss.item()
             for key, value in metrics.items():
                 summed[key] += float(value)

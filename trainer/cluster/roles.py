@@ -219,7 +219,8 @@ class RolloutWorker:
         self.router = EngineRouter(wait_s=engine_wait_s)  # its engines come with `set_engines`
         self.epoch = -1
         self.manager = RolloutManager(self.router, loaded, sampling=r.sampling_params(), limits=r.limits(),
-                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed)
+                                      max_concurrency=r.concurrency, sampling_seed=cfg.seed,
+                                      routed_experts=cfg.algorithm.routing_replay)
         self.eval_manager = RolloutManager(self.router, loaded, limits=r.limits(), max_concurrency=r.concurrency,
                                            sampling=replace(r.sampling_params(), temperature=0.0))
         self.progress = Progress()
