@@ -17,6 +17,7 @@ BUNDLED: dict[str, str] = {
     "relax/MathTool-v0": "relax_gym.envs.math:MathToolEnv",
     "relax/DeepEyes-v0": "relax_gym.envs.deepeyes:DeepEyesEnv",
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
+    "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
     "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",

@@ -1,4 +1,4 @@
-"""Chat messages with text, image and audio parts.
+"""Chat messages with text, image, audio and video parts.
 
 Messages are plain dicts in the shape Hugging Face chat templates and processors
 already take (`{"role": ..., "content": [{"type": "text", "text": ...}, ...]}`),
@@ -14,9 +14,11 @@ from typing import Any, Literal, NotRequired, TypedDict
 import numpy as np
 from PIL import Image
 
+from relax_gym.video import Video, video_from_frames
+
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
-PART_TYPES: tuple[str, ...] = ("text", "image", "audio")
+PART_TYPES: tuple[str, ...] = ("text", "image", "audio", "video")
 
 
 class TextPart(TypedDict):
@@ -35,7 +37,12 @@ class AudioPart(TypedDict):
     sampling_rate: int
 
 
-Part = TextPart | ImagePart | AudioPart
+class VideoPart(TypedDict):
+    type: Literal["video"]
+    video: Video
+
+
+Part = TextPart | ImagePart | AudioPart | VideoPart
 
 
 class Message(TypedDict):
@@ -61,6 +68,17 @@ def image(value: Image.Image) -> ImagePart:
 def audio(waveform: np.ndarray, sampling_rate: int) -> AudioPart:
     """A mono float waveform; processors resample from `sampling_rate` themselves."""
     return {"type": "audio", "audio": np.asarray(waveform, dtype=np.float32), "sampling_rate": int(sampling_rate)}
+
+
+def video(clip: Video | list[Image.Image] | list[np.ndarray], fps: float | None = None) -> VideoPart:
+    """A clip: a `Video` (`relax_gym.models.video.read_video` decodes a file into one), or its frames (PIL
+    images or HxWx3 uint8 arrays) with the `fps` they were sampled at, checked against `video_from_frames`'
+    bounds on frames and pixels."""
+    if not isinstance(clip, Video):
+        if fps is None:
+            raise MessageError("video(frames, fps): the frames' rate is needed (their timestamps come from it)")
+        clip = video_from_frames(clip, fps)
+    return {"type": "video", "video": clip}
 
 
 def message(role: Role, *parts: Part | str, **extra: Any) -> Message:
@@ -111,6 +129,10 @@ def validate_part(part: Any, where: str = "part") -> None:
         rate = part.get("sampling_rate")
         if not isinstance(rate, int | np.integer) or rate <= 0:
             raise MessageError(f"{where}: audio part needs a positive int 'sampling_rate', got {rate!r}")
+    elif kind == "video":
+        if not isinstance(part.get("video"), Video):
+            raise MessageError(f"{where}: video part needs a relax_gym Video in 'video' (messages.video(frames, "
+                               f"fps) makes one), got {type(part.get('video')).__name__}")
     else:
         raise MessageError(f"{where}: unknown part type {kind!r}; expected one of {PART_TYPES}")
 

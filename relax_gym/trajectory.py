@@ -3,7 +3,7 @@
 Field meanings are fixed by DESIGN.md (Trajectory contract). `segments` mark
 which token ranges came from the prompt, the policy, or the environment, so a
 viewer or a debugger can show turns without re-tokenizing anything. In JSONL,
-images and audio are stored once as base64 PNG / WAV in `media` (turn order);
+images, audio and video frames are stored once as base64 PNG / WAV / PNGs in `media` (turn order);
 the processor outputs in `mm_inputs` are tensors kept in memory only, since the
 processor recomputes them from `media` deterministically.
 """
@@ -20,6 +20,8 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 from PIL import Image
+
+from relax_gym.video import Video
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 SegmentKind = Literal["prompt", "policy", "env", "glue"]
@@ -53,7 +55,7 @@ class Trajectory:
     env_id: str = ""
     task: str = ""
     segments: list[Segment] = field(default_factory=list)
-    #: images (PIL) and audio ((waveform, rate)) in the order they entered the conversation
+    #: images (PIL), audio ((waveform, rate)) and videos (`Video`) in the order they entered the conversation
     media: list[Any] = field(default_factory=list)
     #: processor outputs for `media`, concatenated in turn order (tensors; not serialised)
     mm_inputs: dict[str, Any] = field(default_factory=dict)
@@ -130,28 +132,43 @@ def routes_from_json(item: dict[str, Any]) -> np.ndarray:
 
 
 def media_to_json(item: Any) -> dict[str, Any]:
-    """One image (PNG) or (waveform, rate) clip (16-bit WAV) as a JSON-ready dict, base64 inside."""
-    buf = io.BytesIO()
+    """One image (PNG), (waveform, rate) clip (16-bit WAV) or video (a PNG per frame, and its fps) as a JSON-ready
+    dict, base64 inside."""
     if isinstance(item, Image.Image):
-        item.save(buf, format="PNG")
-        return {"type": "image", "png_b64": base64.b64encode(buf.getvalue()).decode()}
+        return {"type": "image", "png_b64": png_b64(item)}
+    if isinstance(item, Video):
+        return {"type": "video", "fps": item.fps, "frames_png_b64": [png_b64(f) for f in item.frames]}
     import soundfile
 
+    buf = io.BytesIO()
     wave, rate = item
     soundfile.write(buf, np.asarray(wave, dtype=np.float32), int(rate), format="WAV", subtype="PCM_16")
     return {"type": "audio", "wav_b64": base64.b64encode(buf.getvalue()).decode(), "sampling_rate": int(rate)}
 
 
+def png_b64(image: Image.Image) -> str:
+    """`image` as a PNG, in base64 (lossless: the frames a trajectory keeps are the ones the model saw)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def media_from_json(item: dict[str, Any]) -> Any:
-    """The image or (waveform, rate) clip `media_to_json` wrote."""
+    """The image, (waveform, rate) clip or video `media_to_json` wrote."""
     if item["type"] == "image":
-        img = Image.open(io.BytesIO(base64.b64decode(item["png_b64"])))
-        img.load()
-        return img
+        return _png(item["png_b64"])
+    if item["type"] == "video":
+        return Video(tuple(_png(f) for f in item["frames_png_b64"]), float(item["fps"]))
     import soundfile
 
     wave, rate = soundfile.read(io.BytesIO(base64.b64decode(item["wav_b64"])), dtype="float32")
     return wave, int(rate)
+
+
+def _png(data: str) -> Image.Image:
+    img = Image.open(io.BytesIO(base64.b64decode(data)))
+    img.load()
+    return img
 
 
 def append_jsonl(f: TextIO, trajectories: Iterable[Trajectory], **fields: Any) -> int:

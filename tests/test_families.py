@@ -66,7 +66,7 @@ def test_registry_has_every_family_with_its_declared_traits() -> None:
     for name, family in FAMILIES.items():
         assert isinstance(family, Family) and family.name == name
         assert family.tool_format in ("hermes", "llama3", "mistral", "deepseek", "harmony", "none")
-        assert family.modalities == (("text", "image") if name.endswith("-vl") else ("text",))
+        assert family.modalities == (("text", "image", "video") if name.endswith("-vl") else ("text",))
         assert family.notes and "\n" not in family.notes
     assert {n: f.tool_format for n, f in FAMILIES.items()} == {
         "qwen3": "hermes", "qwen2.5": "hermes", "qwen2.5-vl": "none", "qwen3-vl": "hermes", "llama3": "llama3",

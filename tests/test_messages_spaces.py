@@ -30,7 +30,8 @@ def test_builders_make_hf_shaped_messages():
     [
         ({"role": "robot", "content": []}, "role"),
         ({"role": "user", "content": "plain string"}, "list of parts"),
-        ({"role": "user", "content": [{"type": "video"}]}, "unknown part type"),
+        ({"role": "user", "content": [{"type": "hologram"}]}, "unknown part type"),
+        ({"role": "user", "content": [{"type": "video", "video": [np.zeros((2, 2, 3))]}]}, "needs a relax_gym Video"),
         ({"role": "user", "content": [{"type": "image", "image": np.zeros((2, 2))}]}, "PIL.Image"),
         ({"role": "user", "content": [{"type": "audio", "audio": np.zeros((2, 2)), "sampling_rate": 16000}]}, "1-D"),
         ({"role": "user", "content": [{"type": "audio", "audio": np.zeros(4, np.float32), "sampling_rate": 0}]},
@@ -75,5 +76,5 @@ def test_action_text_accepts_any_unicode_within_length():
 
 
 def test_unknown_modality_is_rejected_at_construction():
-    with pytest.raises(ValueError, match="video"):
-        MessageSpace(modalities=("video",))
+    with pytest.raises(ValueError, match="smell"):
+        MessageSpace(modalities=("smell",))

@@ -16,6 +16,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 from PIL import Image
 
+from relax_gym.video import Video
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -82,10 +84,11 @@ class SamplingParams:
 class GenerateRequest:
     """One continuation. `input_ids` already hold the expanded image/audio placeholder tokens.
 
-    `images` / `audios` are every image and clip of the conversation so far, in
-    order; `mm_inputs` are the matching processor outputs (pixel_values,
-    image_grid_thw, input_features, ...) when the caller already computed them,
-    so the embedded engine need not run the processor again.
+    `images` / `audios` / `videos` are every image, audio clip and video of the
+    conversation so far, each in order; `mm_inputs` are the matching processor
+    outputs (pixel_values, image_grid_thw, input_features, pixel_values_videos, ...)
+    when the caller already computed them, so the embedded engine need not run the
+    processor again.
     """
 
     input_ids: list[int]
@@ -96,6 +99,7 @@ class GenerateRequest:
     rid: str | None = None
     #: SGLang's `return_routed_experts`: the output carries the experts each MoE layer routed every token to
     return_routed_experts: bool = False
+    videos: list[Video] = field(default_factory=list)
 
 
 @dataclass

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import os
 import threading
 import time
@@ -69,7 +68,9 @@ from relax_gym.engines.base import (
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, encode_media
+from relax_gym.models.inputs import takes_token_types
 from relax_gym.models.moe_routing import recording, routers
+from relax_gym.video import Video, VideoError
 
 #: "continuous": requests join a running batch (text-only models); "static": one `generate` per batch
 Batching = Literal["continuous", "static"]
@@ -291,9 +292,7 @@ class EmbeddedEngine:
         tokenizer = loaded.tokenizer
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._mm_token_types = (
-            loaded.processor is not None and "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
-        )
+        self._mm_token_types = loaded.processor is not None and takes_token_types(self.model)
         #: whether requests join a running batch (`relax_gym.engines.continuous`): asked for, and the model allows
         self.continuous = batching == "continuous" and supports_continuous_batching(
             self.model, loaded.processor is not None
@@ -420,14 +419,18 @@ class EmbeddedEngine:
     # --- preparing requests ----------------------------------------------------------------
 
     def encode(
-        self, text: str, images: Sequence[Image.Image] = (), audios: Sequence[tuple[np.ndarray, int]] = ()
+        self, text: str, images: Sequence[Image.Image] = (), audios: Sequence[tuple[np.ndarray, int]] = (),
+        videos: Sequence[Video] = (),
     ) -> tuple[list[int], dict[str, torch.Tensor]]:
         """Token ids for `text` with its media placeholders expanded, and the media's processor
         outputs, exactly as `relax_gym.models.processor_inputs` makes them. Thread-safe."""
-        if self.loaded.processor is None and (images or audios):
-            raise RequestError(f"model {self.loaded.name!r} takes text only, not images or audio")
+        if self.loaded.processor is None and (images or audios or videos):
+            raise RequestError(f"model {self.loaded.name!r} takes text only, not images, audio or video")
         with self._processor_lock:  # processors are not thread-safe
-            out = encode_media(self.loaded, text, images, audios)
+            try:
+                out = encode_media(self.loaded, text, images, audios, videos)
+            except VideoError as err:
+                raise RequestError(str(err)) from None
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in TOKEN_KEYS}
 
     def _placeholder_ids(self) -> tuple[int, ...]:
@@ -471,7 +474,7 @@ class EmbeddedEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"input_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        for kind, given in (("image", request.images), ("audio", request.audios)):
+        for kind, given in (("image", request.images), ("audio", request.audios), ("video", request.videos)):
             if given and kind not in self.loaded.modalities:
                 raise RequestError(f"{kind}s given but model {self.loaded.name!r} takes {self.loaded.modalities}")
         checks = {
@@ -489,12 +492,14 @@ class EmbeddedEngine:
         """The request's processor outputs: its own `mm_inputs`, else the processor run on its images / audios."""
         if request.mm_inputs:
             return {k: v for k, v in request.mm_inputs.items() if k not in TOKEN_KEYS}
-        if not (request.images or request.audios):
+        if not (request.images or request.audios or request.videos):
             return {}
         processor = self.loaded.processor
         placeholders = getattr(processor, "image_token", "") * len(request.images)
         placeholders += getattr(processor, "audio_token", "") * len(request.audios)
-        _, mm_inputs = await asyncio.to_thread(self.encode, placeholders, request.images, request.audios)
+        placeholders += getattr(processor, "video_token", "") * len(request.videos)
+        _, mm_inputs = await asyncio.to_thread(self.encode, placeholders, request.images, request.audios,
+                                               request.videos)
         return mm_inputs
 
     def _checked_tensors(self, weights: Any) -> dict[str, torch.Tensor]:

@@ -25,14 +25,16 @@ from relax_gym.models.loading import (
     load_model,
     save_model,
 )
-from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl, without_video
+from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl
 from relax_gym.models.tokenizer import build_tokenizer
+from relax_gym.models.video_processor import FramesVideoProcessor, frames_video
 
 __all__ = [
     "CHAT_TEMPLATE",
     "MEDIA_KEYS",
     "TINY_MODELS",
     "ChatTemplateError",
+    "FramesVideoProcessor",
     "LoadedModel",
     "ModelLoadError",
     "build_tiny_audio",
@@ -44,11 +46,11 @@ __all__ = [
     "config_modalities",
     "encode",
     "encode_media",
+    "frames_video",
     "load_model",
     "processor_inputs",
     "render_ids",
     "save_model",
     "sequence_inputs",
     "template_messages",
-    "without_video",
 ]

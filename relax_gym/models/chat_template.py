@@ -7,8 +7,8 @@ with two deliberate differences:
 - earlier assistant turns are rendered verbatim, `<think>` blocks included, so
   appending turns one by one yields exactly the tokens of a full re-render (the
   rollout manager builds observations from the chat-template delta);
-- content may be a string or a list of text / image / audio parts; media parts
-  become the placeholders the Qwen3-VL and Qwen2-Audio processors expand.
+- content may be a string or a list of text / image / audio / video parts; media
+  parts become the placeholders the Qwen3-VL, Qwen2-Audio and Qwen3-Omni processors expand.
 
 Every tag trims the whitespace around it, so only the quoted strings are output.
 """
@@ -25,6 +25,8 @@ CHAT_TEMPLATE = r"""
                 {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
             {%- elif part.type == 'audio' -%}
                 {{- '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}
+            {%- elif part.type == 'video' -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
             {%- endif -%}
         {%- endfor -%}
     {%- endif -%}

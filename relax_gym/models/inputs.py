@@ -8,6 +8,8 @@ need to recompute logprobs.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -15,9 +17,11 @@ import jinja2
 import numpy as np
 import torch
 from transformers import BatchFeature
+from transformers.video_utils import VideoMetadata
 
 from relax_gym.messages import Message
 from relax_gym.models.loading import LoadedModel
+from relax_gym.video import Video
 
 
 class ChatTemplateError(ValueError):
@@ -25,7 +29,8 @@ class ChatTemplateError(ValueError):
 
 
 # Per-media features that stack along dim 0 across turns, in the order the media appear.
-MEDIA_KEYS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
+MEDIA_KEYS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
+                               "pixel_values_videos", "video_grid_thw", "video_second_per_grid")
 
 
 def template_messages(loaded: LoadedModel, messages: list[Message]) -> list[dict[str, Any]]:
@@ -132,7 +137,8 @@ def encode(loaded: LoadedModel, text: str, messages: list[Message]) -> BatchFeat
     parts = [p for msg in messages if isinstance(msg.get("content"), list) for p in msg["content"]]
     images = [p["image"] for p in parts if p["type"] == "image"]
     audios = [(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"]
-    return encode_media(loaded, text, images, audios)
+    videos = [p["video"] for p in parts if p["type"] == "video"]
+    return encode_media(loaded, text, images, audios, videos)
 
 
 def encode_media(
@@ -140,11 +146,14 @@ def encode_media(
     text: str,
     images: Sequence[Any] = (),
     audios: Sequence[tuple[np.ndarray, int]] = (),
+    videos: Sequence[Video] = (),
 ) -> BatchFeature:
-    """Tokenizes `text` with its placeholders expanded for `images` and `audios` (waveform, rate), in order."""
+    """Tokenizes `text` with its placeholders expanded for `images`, `audios` (waveform, rate) and `videos`, each
+    in order. A video's frames go to the processor as they are, with their rate (Qwen3-VL writes each frame
+    group's timestamp into the text from it; the Omni models space the groups' positions by it)."""
     if loaded.processor is None:
-        if images or audios:
-            raise ValueError(f"model {loaded.name!r} takes text only, not images or audio")
+        if images or audios or videos:
+            raise ValueError(f"model {loaded.name!r} takes text only, not images, audio or video")
         return BatchFeature(dict(loaded.tokenizer([text], add_special_tokens=False, return_tensors="pt")))
     kwargs: dict[str, Any] = {}
     if images:
@@ -153,7 +162,24 @@ def encode_media(
         rate = loaded.processor.feature_extractor.sampling_rate
         kwargs["audio"] = [_resample(np.asarray(w, dtype=np.float32), sr, rate) for w, sr in audios]
         kwargs["sampling_rate"] = rate
-    return loaded.processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
+    if videos:
+        if getattr(loaded.processor, "video_processor", None) is None:
+            raise ValueError(f"model {loaded.name!r} takes no video")
+        rates = {v.fps for v in videos}
+        if len(rates) > 1:  # the Omni processors take one rate per call
+            raise ValueError(f"the videos of one turn must share one fps, got {sorted(rates)}")
+        # the frames as they are (no sampling) and their rate: what any Qwen-VL video processor takes
+        kwargs["videos"] = [list(v.frames) for v in videos]
+        kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps,
+                                                  frames_indices=list(range(len(v.frames)))) for v in videos]
+        kwargs["fps"] = rates.pop()
+        kwargs["do_sample_frames"] = False
+        kwargs["return_metadata"] = True  # Qwen3-VL's timestamps come from it
+    out = loaded.processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
+    if "video_second_per_grid" in out:  # a list of floats, one per video: a tensor, to concatenate across turns
+        out["video_second_per_grid"] = torch.as_tensor(out["video_second_per_grid"], dtype=torch.float32)
+    out.pop("video_metadata", None)
+    return out
 
 
 def render_ids(
@@ -181,7 +207,23 @@ def sequence_inputs(
     for key in MEDIA_KEYS:
         if chunks := [m[key] for m in mm_inputs if key in m]:
             inputs[key] = torch.cat(chunks)
-    if "image_grid_thw" in inputs:
-        processor: Any = loaded.processor  # a VL processor made the grid; it names the image placeholder's id
-        inputs["mm_token_type_ids"] = (ids == processor.image_token_id).long()
+    if ("image_grid_thw" in inputs or "video_grid_thw" in inputs) and takes_token_types(loaded.model):
+        # a VL processor made the grid and names the placeholders (as its `create_mm_token_type_ids`: 1 image, 2 video)
+        processor: Any = loaded.processor
+        types = (ids == processor.image_token_id).long()
+        if getattr(processor, "video_token_id", None) is not None:
+            types += 2 * (ids == processor.video_token_id).long()
+        inputs["mm_token_type_ids"] = types
     return BatchFeature(inputs)
+
+
+@functools.cache
+def _takes_token_types(model_class: Any) -> bool:
+    return "mm_token_type_ids" in inspect.signature(model_class.forward).parameters
+
+
+def takes_token_types(model: Any) -> bool:
+    """Whether the model's forward reads `mm_token_type_ids` (Qwen3-VL does; the Omni thinkers find their media
+    tokens by id). Read once per model class."""
+    model_class: Any = type(model)  # a class is hashable; mypy's `type` is not `Hashable`
+    return bool(_takes_token_types(model_class))

@@ -26,11 +26,11 @@ from transformers import (
     ProcessorMixin,
 )
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
-from transformers.utils import is_torchvision_available
 from transformers.utils import logging as hf_logging
 
 from relax_gym.errors import StartupError
-from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl, without_video
+from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl
+from relax_gym.models.video_processor import frames_video
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +77,21 @@ def _build_tiny(name: str) -> LoadedModel:
     if name in ("tiny", "tiny-moe"):
         model, tokenizer = (build_tiny_text if name == "tiny" else build_tiny_moe)()
         return LoadedModel(model, tokenizer, None, ("text",), name)
-    build, modality = {"tiny-vl": (build_tiny_vl, "image"), "tiny-audio": (build_tiny_audio, "audio")}[name]
+    build = {"tiny-vl": build_tiny_vl, "tiny-audio": build_tiny_audio}[name]
     multimodal, processor = build()
-    return LoadedModel(multimodal, processor.tokenizer, processor, ("text", modality), name)
+    return LoadedModel(multimodal, processor.tokenizer, processor, config_modalities(multimodal.config), name)
 
 
 def config_modalities(config: PretrainedConfig) -> tuple[str, ...]:
-    """Which input modalities a checkpoint takes, read from its sub-configs."""
+    """Which input modalities a checkpoint takes, read from its sub-configs (video: a vision tower with a video
+    placeholder token, as the Qwen-VL and Qwen-Omni models have)."""
     found = ["text"]
     if getattr(config, "vision_config", None) is not None:
         found.append("image")
     if getattr(config, "audio_config", None) is not None:
         found.append("audio")
+    if "image" in found and getattr(config, "video_token_id", None) is not None:
+        found.append("video")
     return tuple(found)
 
 
@@ -233,8 +236,8 @@ def _load_folder(path: Path, dtype: torch.dtype | None, device: str | torch.devi
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return LoadedModel(model, tokenizer, None, modalities, str(path))
     processor_cls = cast("type[ProcessorMixin]", PROCESSOR_MAPPING[type(config)])  # typed as the tokenizers' pairs
-    if not is_torchvision_available():
-        processor_cls = without_video(processor_cls)  # type: ignore[arg-type]  # a class is Hashable; mypy disagrees
+    # the video part is always `FramesVideoProcessor` (the stock one needs torchvision; it gives the same inputs)
+    processor_cls = frames_video(processor_cls)  # type: ignore[arg-type]  # a class is Hashable; mypy disagrees
     processor = processor_cls.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, processor.tokenizer, processor, modalities, str(path))
 

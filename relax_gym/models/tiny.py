@@ -8,7 +8,6 @@ Qwen2-Audio for audio, all on one trained-in-memory tokenizer and one chat templ
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -34,6 +33,7 @@ from transformers import (
 
 from relax_gym.models.chat_template import CHAT_TEMPLATE
 from relax_gym.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from relax_gym.models.video_processor import FramesVideoProcessor, frames_video
 
 # Qwen3-VL patches are 16 px, merged 2x2: one image token per 32x32 px. Bounding the area to 4..64
 # tokens keeps any image (a 896x672 one included) to at most 256 patches.
@@ -80,26 +80,6 @@ def _finish(model: ModelT, tokenizer: PreTrainedTokenizerFast) -> ModelT:
     return model.eval()
 
 
-@functools.cache
-def without_video(processor_cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """`processor_cls` minus its video sub-processor, for machines without torchvision.
-
-    transformers' video processors need torchvision even to be constructed, and a
-    processor rejects a missing one (`check_argument_for_proper_class`), cannot
-    save it (`save_pretrained`) and loads it unconditionally (`from_pretrained`).
-    All three iterate `get_attributes()`, so dropping it there is the one fix.
-    The subclass keeps the parent's name, so saved folders name the stock class.
-    """
-    attributes = [a for a in processor_cls.get_attributes() if "video" not in a]
-    if attributes == processor_cls.get_attributes():
-        return processor_cls
-    return type(
-        processor_cls.__name__,
-        (processor_cls,),
-        {"get_attributes": classmethod(lambda cls: list(attributes)), "__module__": processor_cls.__module__},
-    )
-
-
 def vl_image_processor(patch: int, merge: int) -> Qwen2VLImageProcessorPil:
     """The PIL image processor of the tiny Qwen-VL models: 4..64 merged patches per image, mean/std 0.5."""
     area = (patch * merge) ** 2
@@ -112,6 +92,14 @@ def vl_image_processor(patch: int, merge: int) -> Qwen2VLImageProcessorPil:
         image_mean=[0.5, 0.5, 0.5],
         image_std=[0.5, 0.5, 0.5],
     )
+
+
+def vl_video_processor(patch: int, merge: int, stands_for: str = "Qwen3VLVideoProcessor") -> FramesVideoProcessor:
+    """The video processor of the tiny Qwen-VL models: 2 frames per temporal patch, 4..64 merged patches per
+    clip in all (a clip's frames share the budget), mean/std 0.5."""
+    area = (patch * merge) ** 2
+    return FramesVideoProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2, stands_for=stands_for,
+                                size={"shortest_edge": 4 * area, "longest_edge": 2 * 64 * area})
 
 
 def build_tiny_text(seed: int = 0) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
@@ -167,10 +155,9 @@ def build_tiny_vl(seed: int = 0) -> tuple[Qwen3VLForConditionalGeneration, Proce
     )
     with seeded(seed):
         model = Qwen3VLForConditionalGeneration(config)
-    image_processor = vl_image_processor(VL_PATCH, VL_MERGE)
-    processor = without_video(Qwen3VLProcessor)(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
-    )
+    processor = frames_video(Qwen3VLProcessor)(
+        image_processor=vl_image_processor(VL_PATCH, VL_MERGE), tokenizer=tokenizer,
+        video_processor=vl_video_processor(VL_PATCH, VL_MERGE), chat_template=CHAT_TEMPLATE)
     return _finish(model, tokenizer), processor
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from relax_gym.core import Env
 from relax_gym.engines.base import (
@@ -37,6 +38,7 @@ from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
 from relax_gym.trajectory import Status, Trajectory
+from relax_gym.video import Video
 
 
 def settle_heap() -> None:
@@ -274,8 +276,9 @@ class _Episode:
             request = GenerateRequest(
                 input_ids=list(self.conv.token_ids),
                 sampling=sampling,
-                images=[x for x in self.conv.media if not isinstance(x, tuple)],
+                images=[x for x in self.conv.media if isinstance(x, Image.Image)],
                 audios=self.conv.request_audios,
+                videos=[x for x in self.conv.media if isinstance(x, Video)],
                 mm_inputs=self.conv.mm_inputs() or None,
                 rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
                 return_routed_experts=m.routes_top_k is not None,

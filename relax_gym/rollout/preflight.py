@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from relax_gym.messages import Message, audio, image, message
+from relax_gym.messages import Message, audio, image, message, video
 from relax_gym.models import LoadedModel
 from relax_gym.models.template_traits import template_traits, turn_end_id
 from relax_gym.rollout.tokens import ConversationTokens, first_difference
 from relax_gym.tools.formats import ToolCallFormat
+from relax_gym.video import Video, video_from_frames
 
 WEATHER_TOOL = {
     "type": "function",
@@ -54,6 +55,16 @@ def _picture() -> Image.Image:
     img = Image.new("RGB", (224, 168), "white")
     ImageDraw.Draw(img).rectangle((40, 30, 120, 110), fill="red")
     return img
+
+
+def _clip() -> Video:
+    """A red square moving right over four frames, two per second."""
+    frames = []
+    for step in range(4):
+        frame = Image.new("RGB", (96, 64), "white")
+        ImageDraw.Draw(frame).rectangle((8 + 16 * step, 16, 32 + 16 * step, 40), fill="red")
+        frames.append(frame)
+    return video_from_frames(frames, 2.0)
 
 
 def _tone() -> tuple[np.ndarray, int]:
@@ -107,6 +118,11 @@ def cases(modalities: tuple[str, ...], fmt: ToolCallFormat) -> dict[str, tuple[l
         found["audio in prompt and follow-up"] = ([message("user", audio(*_tone()), "What do you hear?")], None, [
             (_says(fmt, "A tone."), [message("user", audio(*_tone()), "And now?")]),
             (_says(fmt, "The same tone."), []),
+        ])
+    if "video" in modalities:
+        found["video in prompt and follow-up"] = ([message("user", video(_clip()), "What moves?")], None, [
+            (_says(fmt, "A red square."), [message("user", video(_clip()), "Which way?")]),
+            (_says(fmt, "To the right."), []),
         ])
     return found
 

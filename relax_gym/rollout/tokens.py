@@ -43,6 +43,7 @@ from relax_gym.models.template_traits import (
     template_traits,
 )
 from relax_gym.trajectory import Segment
+from relax_gym.video import Video
 
 __all__ = ["ConversationTokens", "PromptCache", "TemplateError", "first_difference"]
 
@@ -55,6 +56,8 @@ def _media_of(messages: list[Message]) -> list[Any]:
                 out.append(part["image"])
             elif part["type"] == "audio":
                 out.append((part["audio"], part["sampling_rate"]))
+            elif part["type"] == "video":
+                out.append(part["video"])
     return out
 
 
@@ -162,7 +165,7 @@ class ConversationTokens:
         start = len(self.token_ids)
         first_media = len(self.media)
         self.media += _media_of(new_messages)
-        new_audios = [x for x in self.media[first_media:] if isinstance(x, tuple)]
+        new_audios = [x for x in self.media[first_media:] if isinstance(x, tuple)]  # images and videos are not
         self.request_audios += at_model_rate(self.loaded, new_audios)
         if features:
             self.turn_mm_inputs.append(features)
@@ -348,11 +351,16 @@ class ConversationTokens:
             full = self.segments[0].text
         else:
             full = chat_text(self.loaded, history, tools=self.tools, add_generation_prompt=True)
+        ours = self.loaded.decode(self.token_ids)
+        if any(isinstance(m, Video) for m in self.media):
+            # a video's expansion is more than repeated placeholders (Qwen3-VL writes each frame group's time and
+            # vision tags), so the processor expands the re-render too, and the texts are compared expanded
+            full = self.loaded.decode(encode(self.loaded, full, history)["input_ids"][0].tolist())
+        else:
+            for pad in _placeholders(self.loaded):
+                ours = re.sub(f"(?:{re.escape(pad)})+", _literal(pad), ours)
         if last is not None:
             full += last.text
-        ours = self.loaded.decode(self.token_ids)
-        for pad in _placeholders(self.loaded):
-            ours = re.sub(f"(?:{re.escape(pad)})+", _literal(pad), ours)
         return first_difference(ours, full)
 
 

@@ -133,6 +133,8 @@ main { padding: 6px 20px 40px; }
 .media img { display: block; min-height: 96px; max-width: 320px; max-height: 320px; border: 1px solid var(--line);
   image-rendering: auto; cursor: zoom-in; background: #fff; }
 .media img.zoom { max-width: none; max-height: none; cursor: zoom-out; }
+.media .strip { display: flex; flex-wrap: wrap; gap: 2px; max-width: 640px; }
+.media .strip img { min-height: 0; max-width: 120px; max-height: 120px; }
 .media audio { display: block; width: 300px; }
 .warn { color: var(--bad); }
 details.more summary { cursor: pointer; color: var(--muted); font-size: 12px; }

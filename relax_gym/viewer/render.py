@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from relax_gym.trajectory import Segment, Trajectory, media_to_json, read_jsonl
+from relax_gym.trajectory import Segment, Trajectory, media_to_json, png_b64, read_jsonl
+from relax_gym.video import Video
 from relax_gym.viewer.assets import CSS, JS, PAGE
 
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
@@ -222,8 +223,14 @@ def _toolbar(trajs: Sequence[Trajectory], per_token: bool) -> str:
 
 def _media(item: Any, index: int) -> str:
     if isinstance(item, Image.Image):
-        return (f'<figure><img src="data:image/png;base64,{media_to_json(item)["png_b64"]}" alt="image {index}">'
+        return (f'<figure><img src="data:image/png;base64,{png_b64(item)}" alt="image {index}">'
                 f"<figcaption>image {index} · {item.width}×{item.height}</figcaption></figure>")
+    if isinstance(item, Video):  # a strip of the frames the model saw, each titled with its time
+        frames = "".join(f'<img src="data:image/png;base64,{png_b64(f)}" alt="video {index} frame {i}" '
+                         f'title="{i / item.fps:.2f} s">' for i, f in enumerate(item.frames))
+        width, height = item.frames[0].size
+        return (f'<figure><div class="strip">{frames}</div><figcaption>video {index} · {len(item.frames)} frames · '
+                f"{item.fps:g} fps · {item.duration_s:.2f} s · {width}×{height}</figcaption></figure>")
     wave, rate = item
     wav = media_to_json(item)["wav_b64"]
     return (f'<figure><audio controls preload="metadata" src="data:audio/wav;base64,{wav}"></audio>'

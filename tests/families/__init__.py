@@ -88,7 +88,7 @@ FAMILIES: dict[str, Family] = {
         _family(
             "qwen2.5-vl",
             tool_format="none",
-            modalities=("text", "image"),
+            modalities=("text", "image", "video"),
             stop_tokens=QWEN_STOPS,
             rewrites_history=False,
             notes="ChatML with default system 'You are a helpful assistant.'; image parts become "
@@ -98,7 +98,7 @@ FAMILIES: dict[str, Family] = {
         _family(
             "qwen3-vl",
             tool_format="hermes",
-            modalities=("text", "image"),
+            modalities=("text", "image", "video"),
             stop_tokens=QWEN_STOPS,
             rewrites_history=True,
             notes="qwen3's reasoning and tool rules over string or part-list content; image parts become "

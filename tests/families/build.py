@@ -35,8 +35,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from relax_gym.models import LoadedModel, build_tiny_vl, without_video
-from relax_gym.models.tiny import seeded, vl_image_processor
+from relax_gym.models import LoadedModel, build_tiny_vl, config_modalities, frames_video
+from relax_gym.models.tiny import seeded, vl_image_processor, vl_video_processor
 from relax_gym.models.tokenizer import MARKUP_TOKENS, QWEN_SPLIT, SPECIAL_TOKENS, train_bpe
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -263,7 +263,7 @@ def build_qwen3_vl(name: str, stop_tokens: tuple[str, ...]) -> LoadedModel:
     processor.chat_template = chat_template
     processor.tokenizer.chat_template = chat_template
     model = _finish(model, processor.tokenizer, stop_tokens)
-    return LoadedModel(model, processor.tokenizer, processor, ("text", "image"), name)
+    return LoadedModel(model, processor.tokenizer, processor, config_modalities(model.config), name)
 
 
 def build_qwen25_vl(name: str, stop_tokens: tuple[str, ...]) -> LoadedModel:
@@ -299,10 +299,11 @@ def build_qwen25_vl(name: str, stop_tokens: tuple[str, ...]) -> LoadedModel:
     )
     model = _finish(_seeded_model(Qwen2_5_VLForConditionalGeneration, config), tok, stop_tokens)
     image_processor = vl_image_processor(VL25_PATCH, VL25_MERGE)
-    processor = without_video(Qwen2_5_VLProcessor)(
-        image_processor=image_processor, tokenizer=tok, chat_template=template(name)
+    video_processor = vl_video_processor(VL25_PATCH, VL25_MERGE, stands_for="Qwen2VLVideoProcessor")
+    processor = frames_video(Qwen2_5_VLProcessor)(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=template(name)
     )
-    return LoadedModel(model, tok, processor, ("text", "image"), name)
+    return LoadedModel(model, tok, processor, config_modalities(model.config), name)
 
 
 @functools.cache
