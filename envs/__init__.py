@@ -18,6 +18,7 @@ BUNDLED: dict[str, str] = {
     "relax/DeepEyes-v0": "relax_gym.envs.deepeyes:DeepEyesEnv",
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
+    "relax/AVQA-v0": "relax_gym.envs.av_qa:AVQAEnv",
     "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",

@@ -7,11 +7,14 @@ plain dicts; each env maps its format's fields to a task.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from relax_gym.rewards.result import is_missing
 
@@ -77,3 +80,40 @@ def pick(records: Sequence[Any], rng: Any) -> tuple[int, Any]:
         raise DatasetError("the dataset is empty")
     index = int(rng.integers(len(records)))
     return index, records[index]
+
+
+def read_image(entry: Any, base_dir: Path, where: str) -> Image.Image:
+    """A record's image as RGB, from a path (relative to `base_dir`, the data file's folder), bytes, or a Hugging
+    Face `Image` feature dict (`{"bytes": ..., "path": ...}`); DatasetError naming `where` and the file else."""
+    try:
+        origin = _image_source(entry, base_dir)
+    except DatasetError as err:
+        raise DatasetError(f"{where}: {err}") from err
+    name = f"{len(origin)} bytes of embedded image" if isinstance(origin, bytes) else str(origin)
+    try:
+        with Image.open(io.BytesIO(origin) if isinstance(origin, bytes) else origin) as img:
+            return to_rgb(img)
+    except Exception as err:  # decoders raise OSError, SyntaxError, ValueError...: all mean a bad file
+        raise DatasetError(f"{where}: cannot read image {name}: {type(err).__name__}: {err}") from err
+
+
+def _image_source(entry: Any, base: Path) -> bytes | Path:
+    if isinstance(entry, dict) and entry.get("bytes"):
+        return bytes(entry["bytes"])
+    path = entry.get("path") if isinstance(entry, dict) else entry
+    if not isinstance(path, str | Path) or not str(path):
+        raise DatasetError(f"image entry has neither 'bytes' nor a 'path': {entry!r:.80}")
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB with transparent pixels laid over white.
+
+    A plain convert drops alpha, and the colour hidden under transparent pixels (often
+    black) would show a logo or a cut-out as a black block.
+    """
+    if img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in img.info:  # info: P, L, RGB with tRNS
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return img.convert("RGB")

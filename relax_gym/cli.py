@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "rollout.temperature=0.7 rollout.max_turns=4; applied after the flags")
     p.add_argument("--env", required=True, help="a registered env id")
     p.add_argument("--model", default="tiny",
-                   help="tiny | tiny-moe | tiny-vl | tiny-audio | a local HF checkpoint folder")
+                   help="tiny | tiny-moe | tiny-vl | tiny-audio | tiny-omni | a local HF checkpoint folder")
     p.add_argument("-n", type=int, default=8, help="number of tasks")
     p.add_argument("--out", required=True, help="output .jsonl (written as groups finish)")
     p.add_argument("--seed", type=int, default=0)

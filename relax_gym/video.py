@@ -7,10 +7,13 @@ trajectory keeps them. Bounds on frames and pixels per clip are checked where a 
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -62,25 +65,66 @@ def video_from_frames(frames: Sequence[Image.Image | np.ndarray], fps: float, *,
     return Video(images, float(fps))
 
 
-def read_video(path: str | Path, *, fps: float = 2.0, max_frames: int = MAX_FRAMES,
-               max_pixels: int = MAX_PIXELS) -> Video:
-    """The frames of the video file `path` (decoded with PyAV), sampled at `fps` per second and at most
-    `max_frames` evenly spaced over the clip; VideoError naming the file when it does not decode."""
+def read_video(source: str | Path | bytes, *, fps: float | None = 2.0, max_frames: int = MAX_FRAMES,
+               max_pixels: int = MAX_PIXELS, codecs: frozenset[str] | None = None,
+               frame_pixels: int | None = None) -> Video:
+    """The frames of a video file (a path, or its bytes), decoded with PyAV: sampled at `fps` per second, at
+    most `max_frames` evenly spaced over the clip, or with `fps=None` every frame at the file's own rate (more
+    than `max_frames` is then an error). `codecs` (None: any) allows only those decoders, and a frame of more
+    than `frame_pixels` (default `max_pixels`) is refused from the stream's header, before a frame is decoded.
+    VideoError names the source when it does not decode."""
+    av = _pyav()
+    name = f"{len(source)} bytes of video" if isinstance(source, bytes) else str(source)
+    decoded: list[tuple[float, Image.Image]] = []
     try:
-        import av
-    except ImportError as err:
-        raise VideoError(f"{path}: decoding a video file needs PyAV (pip install av)") from err
-    path = Path(path)
-    try:
-        with av.open(str(path)) as container:
+        with av.open(io.BytesIO(source) if isinstance(source, bytes) else str(source), mode="r") as container:
             stream = container.streams.video[0]
-            decoded = [(float(frame.time or 0.0), frame.to_image()) for frame in container.decode(stream)]
+            codec = stream.codec_context
+            if codecs is not None and codec.name not in codecs:
+                raise VideoError(f"{name}: codec {codec.name!r} is not one of {sorted(codecs)}")
+            bound = max_pixels if frame_pixels is None else frame_pixels
+            if codec.width * codec.height > bound:
+                raise VideoError(f"{name}: frames of {codec.width}x{codec.height}, over {bound} pixels")
+            rate = float(stream.average_rate or stream.guessed_rate or 0) or None
+            for frame in container.decode(stream):
+                if fps is None and len(decoded) >= max_frames:
+                    raise VideoError(f"{name}: more than {max_frames} frames")
+                decoded.append((float(frame.time or 0.0), frame.to_image()))
     except (av.FFmpegError, IndexError, OSError) as err:
-        raise VideoError(f"{path}: cannot decode a video from it: {err}") from err
+        raise VideoError(f"{name}: cannot decode a video from it: {err}") from err
     if not decoded:
-        raise VideoError(f"{path}: no video frames in it")
+        raise VideoError(f"{name}: no video frames in it")
+    if fps is None:
+        return video_from_frames([image for _, image in decoded], rate or 1.0, max_frames=max_frames,
+                                 max_pixels=max_pixels)
     duration = decoded[-1][0] + (decoded[-1][0] - decoded[0][0]) / max(len(decoded) - 1, 1)
     wanted = max(1, min(max_frames, round(duration * fps), len(decoded)))
     picks = np.linspace(0, len(decoded) - 1, wanted).round().astype(int)
     return video_from_frames([decoded[i][1] for i in picks], wanted / max(duration, 1e-9) if duration > 0 else fps,
                              max_frames=max_frames, max_pixels=max_pixels)
+
+
+def lossless_bytes(video: Video) -> bytes:
+    """`video` as a Matroska file of FFV1 frames (lossless 8-bit RGB) at its rate: `read_video(..., fps=None)` gives the
+    very same frames back (how a clip travels to a server)."""
+    av = _pyav()
+    out = io.BytesIO()
+    width, height = video.frames[0].size
+    with av.open(out, "w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=Fraction(video.fps).limit_denominator(1000))
+        stream.width, stream.height, stream.pix_fmt = width, height, "bgr0"
+        for frame in video.frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame).reformat(format="bgr0")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def _pyav() -> Any:
+    """PyAV, which video files need (clips given as frames do not): the `video` extra."""
+    try:
+        import av
+    except ImportError as err:
+        raise VideoError("video files need PyAV: pip install 'relax-gym[video]' (or av)") from err
+    return av

@@ -32,6 +32,7 @@ def make_request(loaded: LoadedModel, conversation: list[M.Message], sampling: S
         images=[p["image"] for p in parts if p["type"] == "image"],
         audios=[(p["audio"], p["sampling_rate"]) for p in parts if p["type"] == "audio"],
         mm_inputs={k: inputs[k] for k in MEDIA_KEYS if k in inputs} or None,
+        videos=[p["video"] for p in parts if p["type"] == "video"],
     )
 
 

@@ -44,7 +44,17 @@ def _conversations(name: str) -> list[list[M.Message]]:
             [M.user("No sound this time, only text.")],
             [M.user(_clip(2, 8_000), "What is this?")],
         ]
+    if name == "tiny-omni":  # every modality, a video in two rows (of different lengths)
+        return [
+            [M.user(M.image(_image(0, (48, 80))), _clip(0, 12_000), _video(0, 4), "What do you see and hear?")],
+            [M.user("No media this time, only text.")],
+            [M.user(_video(1, 6), "What moves?", _clip(1, 8_000))],
+        ]
     return [[M.user(p)] for p in PROMPTS]
+
+
+def _video(seed: int, frames: int) -> M.VideoPart:
+    return M.video([_image(seed + i, (64, 48)) for i in range(frames)], fps=2.0)
 
 
 def _run(coro):
@@ -53,7 +63,7 @@ def _run(coro):
 
 @pytest.fixture(scope="module")
 def tiny() -> dict[str, LoadedModel]:
-    return {name: load_model(name) for name in ("tiny", "tiny-moe", "tiny-vl", "tiny-audio")}
+    return {name: load_model(name) for name in ("tiny", "tiny-moe", "tiny-vl", "tiny-audio", "tiny-omni")}
 
 
 @pytest.fixture
@@ -113,7 +123,7 @@ async def _generate_all(engine: EmbeddedEngine, requests: list[GenerateRequest])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-vl", "tiny-audio"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-vl", "tiny-audio", "tiny-omni"])
 @pytest.mark.parametrize("with_mm_inputs", [True, False], ids=["mm_inputs", "raw_media"])
 def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_inputs):
     """Greedy, sampled and top-p/top-k rows with different media counts in one left-padded batch:
@@ -126,7 +136,8 @@ def test_logprobs_equal_a_teacher_forced_forward(tiny, prefills, name, with_mm_i
     ]
     requests = [make_request(loaded, c, s) for c, s in zip(_conversations(name), samplings, strict=True)]
     sent = (
-        requests if with_mm_inputs else [GenerateRequest(r.input_ids, r.sampling, r.images, r.audios) for r in requests]
+        requests if with_mm_inputs else [GenerateRequest(r.input_ids, r.sampling, r.images, r.audios, videos=r.videos)
+                                         for r in requests]
     )
     batches = prefills(loaded.model)
     outputs = _run(_generate_all(EmbeddedEngine(loaded), sent))

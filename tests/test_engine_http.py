@@ -68,6 +68,10 @@ def _media_conversation(name: str) -> list[M.Message]:
         return [M.user("Compare", M.image(first), "with", M.image(second))]
     if name == "tiny-audio":
         return [M.user("Listen", M.audio(rng.standard_normal(12_000).astype(np.float32) * 0.1, 16_000))]
+    if name == "tiny-vl-video":  # a clip and an image: video_data and image_data in one request
+        frames = [Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)) for _ in range(5)]
+        picture = Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8))
+        return [M.user("What moves?", M.video(frames, fps=2.5), "and here?", M.image(picture))]
     return [M.user("What is 6*7?")]
 
 
@@ -94,11 +98,11 @@ def _in_process(loaded: LoadedModel, request: GenerateRequest):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "tiny-audio"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "tiny-audio", "tiny-vl-video"])
 def test_client_matches_the_in_process_engine(servers, references, name):
-    """Greedy tokens and logprobs over HTTP (media as PNG / WAV, features recomputed server-side)
-    equal the in-process engine's; sampled logprobs equal the teacher-forced forward."""
-    loaded = references[name]
+    """Greedy tokens and logprobs over HTTP (media as PNG / WAV / lossless video, features recomputed
+    server-side) equal the in-process engine's; sampled logprobs equal the teacher-forced forward."""
+    loaded = references[name.removesuffix("-video")]
     greedy = make_request(loaded, _media_conversation(name), GREEDY)
     sampled = make_request(loaded, _media_conversation(name), SamplingParams(temperature=0.8, top_p=0.95))
     local = _in_process(loaded, greedy)
@@ -106,7 +110,7 @@ def test_client_matches_the_in_process_engine(servers, references, name):
     async def use(client: SGLangEngine):
         return await asyncio.gather(client.generate(greedy), client.generate(sampled))
 
-    remote, remote_sampled = asyncio.run(_with_client(servers[name], use))
+    remote, remote_sampled = asyncio.run(_with_client(servers[name.removesuffix("-video")], use))
     assert remote.output_ids == local.output_ids and len(set(remote.output_ids)) > 3
     assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
     assert (remote.finish_reason, remote.weight_version, remote.prompt_tokens) == ("length", 0, len(greedy.input_ids))
@@ -201,6 +205,7 @@ def test_media_as_data_urls_bare_base64_and_text_prompts(servers, references):
         ("/generate", {"input_ids": [1], "image_data": ["https://example.com/a.png"]}, "only inline media"),
         ("/generate", {"input_ids": [1], "audio_data": ["/no/such/file.wav"]}, "audio_data[0]"),
         ("/generate", {"input_ids": [1], "image_data": ["/etc/hostname"]}, "server paths are not read"),
+        ("/generate", {"input_ids": [1], "video_data": ["data:video/x-matroska;base64,AAAA"]}, "video_data[0]"),
         ("/update_weights_from_disk", {}, "model_path: Field required"),
         ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v2"}, "weight_version"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "serialized_named_tensors: not a pickle"),

@@ -9,6 +9,7 @@ Qwen3-VL processor's prompt ids), made by tests/fixtures/make_qwen_video_referen
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 
@@ -149,3 +150,35 @@ def test_a_model_without_video_refuses_a_clip():
     audio_model = load_model("tiny-audio")
     with pytest.raises(ValueError, match="takes no video"):
         processor_inputs(audio_model, [user(video([Image.new("RGB", (32, 32))] * 2, fps=1.0), "?")])
+
+
+def test_a_server_decodes_every_frame_of_a_lossless_clip_and_refuses_others(tmp_path):
+    """What the SGLang client sends (`video_data_url`) comes back frame for frame at its rate; a codec off the
+    list, too many frames or frames too large are refused before or while decoding, naming the field."""
+    import av
+
+    from relax_gym.engines.server_media import MediaError, decode_video
+    from relax_gym.engines.sglang import video_data_url
+
+    rng = np.random.default_rng(1)
+    clip = video_from_frames([Image.fromarray(rng.integers(0, 255, (24, 32, 3), dtype=np.uint8)) for _ in range(5)],
+                             2.5)
+    back = decode_video(video_data_url(clip), "video_data[0]", max_frames=8, max_pixels=32 * 24)
+    assert back.fps == 2.5 and all(np.array_equal(np.asarray(a), np.asarray(b))
+                                   for a, b in zip(clip.frames, back.frames, strict=True))
+    with pytest.raises(MediaError, match=r"video_data\[0\]: .*more than 4 frames"):
+        decode_video(video_data_url(clip), "video_data[0]", max_frames=4, max_pixels=32 * 24)
+    with pytest.raises(MediaError, match="over 100 pixels"):
+        decode_video(video_data_url(clip), "video_data[0]", max_frames=8, max_pixels=100)
+    path = tmp_path / "clip.avi"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mjpeg", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuvj420p"
+        for frame in clip.frames:
+            for packet in stream.encode(av.VideoFrame.from_image(frame).reformat(format="yuvj420p")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    mjpeg = "data:video/avi;base64," + base64.b64encode(path.read_bytes()).decode()
+    with pytest.raises(MediaError, match="codec 'mjpeg' is not one of"):
+        decode_video(mjpeg, "video_data[0]", max_frames=8, max_pixels=32 * 24)

@@ -9,13 +9,12 @@ data file) and `reward_model.ground_truth`; `extra_info.question` and
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from relax_gym.envs.datasets import DatasetError, require, require_gold, shipped_path
+from relax_gym.envs.datasets import DatasetError, read_image, require, require_gold, shipped_path
 
 IMAGE_PLACEHOLDER = "<image>"
 SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -82,37 +81,6 @@ def task_from_record(record: dict[str, Any], index: int) -> dict[str, Any]:
     }
 
 
-def _image_source(entry: Any, base: Path) -> bytes | Path:
-    if isinstance(entry, dict) and entry.get("bytes"):
-        return bytes(entry["bytes"])
-    path = entry.get("path") if isinstance(entry, dict) else entry
-    if not isinstance(path, str | Path) or not str(path):
-        raise DatasetError(f"image entry has neither 'bytes' nor a 'path': {entry!r:.80}")
-    path = Path(path).expanduser()
-    return path if path.is_absolute() else base / path
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB with transparent pixels laid over white.
-
-    A plain convert drops alpha, and the colour hidden under transparent pixels (often
-    black) would show a logo or a cut-out as a black block.
-    """
-    if img.mode in ("RGBA", "RGBa", "LA", "La", "PA") or "transparency" in img.info:  # info: P, L, RGB with tRNS
-        rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
-    return img.convert("RGB")
-
-
 def load_image(record: dict[str, Any], index: int, source: Path) -> Image.Image:
     """The record's image as RGB; a missing or corrupt file raises DatasetError naming record and file."""
-    try:
-        origin = _image_source(record["images"][0], source.parent)
-    except DatasetError as err:
-        raise DatasetError(f"{source} record {index}: {err}") from err
-    name = f"{len(origin)} bytes of embedded image" if isinstance(origin, bytes) else str(origin)
-    try:
-        with Image.open(io.BytesIO(origin) if isinstance(origin, bytes) else origin) as img:
-            return to_rgb(img)
-    except Exception as err:  # decoders raise OSError, SyntaxError, ValueError...: all mean a bad file
-        raise DatasetError(f"{source} record {index}: cannot read image {name}: {type(err).__name__}: {err}") from err
+    return read_image(record["images"][0], source.parent, f"{source} record {index}")

@@ -67,7 +67,7 @@ from relax_gym.engines.base import (
 )
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
 from relax_gym.engines.sampling import RowSampler, seeded_generators
-from relax_gym.models import LoadedModel, encode_media
+from relax_gym.models import LoadedModel, concat_media, encode_media
 from relax_gym.models.inputs import takes_token_types
 from relax_gym.models.moe_routing import recording, routers
 from relax_gym.video import Video, VideoError
@@ -811,7 +811,7 @@ class EmbeddedEngine:
             processor: Any = self.loaded.processor  # not None here (see __init__); typed for lists, takes the tensor
             inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids))
         for key in dict.fromkeys(k for row in mm_inputs for k in row):
-            value = torch.cat([torch.as_tensor(row[key]) for row in mm_inputs if key in row])
+            value = concat_media(key, [row[key] for row in mm_inputs if key in row])
             inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value
         return {k: v.to(self.device) for k, v in inputs.items()}
 

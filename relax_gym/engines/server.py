@@ -8,7 +8,9 @@ share one served model. What differs from SGLang, by necessity:
   `input_ids` must already hold the expanded image / audio placeholders, as
   `relax_gym.models.render_ids` gives them. Only output logprobs are returned
   (`logprob_start_len` is accepted, input logprobs are not computed).
-  `image_data` / `audio_data` items are data URLs or bare base64, never server paths.
+  `image_data` / `audio_data` / `video_data` items are data URLs or bare base64, never server paths;
+  a video's frames are all used, at its own rate (the SGLang client sends the clip's sampled frames
+  losslessly), where SGLang samples frames again by its own rate and count.
 - `/update_weights_from_tensor` takes SGLang's `serialized_named_tensors`
   (tensors shared from a process on this host: CUDA IPC handles, or shared
   memory for CPU tensors; unpickled against an allowlist, see `tensor_ipc`), or
@@ -81,10 +83,11 @@ from relax_gym.engines.base import (
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
-from relax_gym.engines.server_media import MediaError, decode_audio, decode_image
+from relax_gym.engines.server_media import MediaError, decode_audio, decode_image, decode_video
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.errors import StartupError
+from relax_gym.video import Video
 
 logger = logging.getLogger("relax_gym.engines")
 T = TypeVar("T")
@@ -166,6 +169,7 @@ class GenerateIn(BaseModel):
     input_ids: list[int] | None = None
     image_data: str | list[str] | None = None
     audio_data: str | list[str] | None = None
+    video_data: str | list[str] | None = None
     sampling_params: SamplingIn = Field(default_factory=SamplingIn)
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -304,15 +308,18 @@ def _version(value: int | str | None, current: int) -> int:
     return value
 
 
-def _decode_media(body: GenerateIn, limits: ServerLimits) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]]]:
-    images, audios = _listed(body.image_data), _listed(body.audio_data)
-    if len(images) + len(audios) > limits.max_media_items:
-        raise BadRequest(f"image_data, audio_data: {len(images) + len(audios)} items, over the server's limit of "
-                         f"{limits.max_media_items} (max_media_items)")
+def _decode_media(body: GenerateIn, limits: ServerLimits) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]],
+                                                                    list[Video]]:
+    images, audios, videos = _listed(body.image_data), _listed(body.audio_data), _listed(body.video_data)
+    if len(images) + len(audios) + len(videos) > limits.max_media_items:
+        raise BadRequest(f"image_data, audio_data, video_data: {len(images) + len(audios) + len(videos)} items, over "
+                         f"the server's limit of {limits.max_media_items} (max_media_items)")
     try:
         return (
             [decode_image(x, f"image_data[{i}]", max_pixels=limits.max_image_pixels) for i, x in enumerate(images)],
             [decode_audio(x, f"audio_data[{i}]", max_seconds=limits.max_audio_s) for i, x in enumerate(audios)],
+            [decode_video(x, f"video_data[{i}]", max_frames=limits.max_video_frames,
+                          max_pixels=limits.max_image_pixels) for i, x in enumerate(videos)],
         )
     except MediaError as err:
         raise BadRequest(str(err)) from None
@@ -424,14 +431,16 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         if body.input_ids is not None:
             _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
         async with decoders:
-            images, audios = await asyncio.to_thread(_decode_media, body, limits)
+            images, audios, videos = await asyncio.to_thread(_decode_media, body, limits)
         routes = body.return_routed_experts
         if body.input_ids is not None:
-            return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes)
+            return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes,
+                                   videos=videos)
         assert body.text is not None  # GenerateIn's validator: exactly one of text and input_ids
-        ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios)
+        ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios, videos)
         _check_length(len(ids), params.max_new_tokens, context, "text")
-        return GenerateRequest(ids, params, images, audios, media or None, body.rid, return_routed_experts=routes)
+        return GenerateRequest(ids, params, images, audios, media or None, body.rid, return_routed_experts=routes,
+                               videos=videos)
 
     @app.post("/generate")
     async def generate(body: GenerateIn, request: Request) -> Any:
@@ -589,6 +598,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             "weight_version": str(engine.weight_version),
             "has_image_understanding": "image" in modalities,
             "has_audio_understanding": "audio" in modalities,
+            "has_video_understanding": "video" in modalities,
             "modalities": list(modalities),
             "context_length": context,
         }

@@ -1,9 +1,11 @@
-"""Images and audio as `relax-gym serve` takes them: inline only, their size checked before decoding.
+"""Images, audio and video as `relax-gym serve` takes them: inline only, their size checked before decoding.
 
 Only data URLs and bare base64 are read: a server path would let any client learn which files exist
 and make the server read them (a 3 GB sparse file was read whole). An image's pixel count comes from its
 header, an audio clip's length from its format's header, and both are refused past the limits before
-anything is decoded, so a decompression bomb costs the server only its compressed bytes.
+anything is decoded, so a decompression bomb costs the server only its compressed bytes. A video's frame
+size comes from its stream's header, its frames are counted as they decode (past the limit it is refused),
+and only a few lossless or common codecs are decoded at all (FFmpeg's many decoders are attack surface).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ import numpy as np
 import soundfile
 from PIL import Image
 
+from relax_gym.video import Video, VideoError, read_video
+
 #: image formats decoded at all: PIL's many rarer decoders are attack surface no VLM client needs
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+#: video decoders used at all: FFV1 (what the SGLang client sends: lossless) and the common web codecs
+VIDEO_CODECS = frozenset({"ffv1", "h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4"})
 MAX_AUDIO_CHANNELS = 8
 MAX_AUDIO_RATE = 384_000
 
@@ -80,3 +86,14 @@ def decode_audio(item: str, where: str, *, max_seconds: float) -> tuple[np.ndarr
     except Exception as err:
         raise MediaError(f"{where}: cannot decode audio: {err}") from None
     return (wave.mean(axis=1) if wave.ndim == 2 else wave), int(rate)
+
+
+def decode_video(item: str, where: str, *, max_frames: int, max_pixels: int) -> Video:
+    """Every frame of the clip at its own rate (the client sampled them), refused past `max_frames` frames or
+    frames of more than `max_pixels` pixels."""
+    data = inline_bytes(item, where)
+    try:
+        return read_video(data, fps=None, max_frames=max_frames, max_pixels=max_frames * max_pixels,
+                          codecs=VIDEO_CODECS, frame_pixels=max_pixels)
+    except VideoError as err:
+        raise MediaError(f"{where}: {err}") from None

@@ -71,6 +71,7 @@ from relax_gym.engines.base import (
 )
 from relax_gym.engines.http_pool import ShardedTransport
 from relax_gym.engines.weight_group import dtype_name
+from relax_gym.video import Video, lossless_bytes
 
 logger = logging.getLogger("relax_gym.engines")
 
@@ -96,6 +97,13 @@ def backoff_delay(attempt: int, first_s: float = 0.5, cap_s: float = 5.0) -> flo
     if attempt < 1:
         raise ValueError(f"attempt counts from 1, got {attempt}")
     return min(cap_s, first_s * 2.0 ** min(attempt - 1, 64))
+
+
+def video_data_url(video: Video) -> str:
+    """A clip as SGLang's `video_data` takes it: a data URL of its sampled frames, lossless, at its rate
+    (`relax_gym.video.lossless_bytes`). `relax-gym serve` uses every frame; SGLang samples again by its own rate
+    and frame count, and a prompt that comes out another length is refused (`prompt_tokens`)."""
+    return "data:video/x-matroska;base64," + base64.b64encode(lossless_bytes(video)).decode()
 
 
 def png_data_url(image: Image.Image) -> str:
@@ -250,8 +258,8 @@ class SGLangEngine:
         """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as
         the prompt plus its tokens so far with the rest of its budget, and waits for the pause to end. Each
         part keeps the version it was generated with (`GenerateOutput.token_versions`)."""
-        if request.mm_inputs and not (request.images or request.audios):
-            raise RequestError("mm_inputs cannot be sent over HTTP: pass the images / audios themselves")
+        if request.mm_inputs and not (request.images or request.audios or request.videos):
+            raise RequestError("mm_inputs cannot be sent over HTTP: pass the images / audios / videos themselves")
         payload: dict[str, Any] = {
             "input_ids": list(request.input_ids),
             "sampling_params": request.sampling.to_sglang(),
@@ -265,6 +273,8 @@ class SGLangEngine:
             payload["image_data"] = [png_data_url(image) for image in request.images]
         if request.audios:
             payload["audio_data"] = [wav_data_url(wave, rate) for wave, rate in request.audios]
+        if request.videos:
+            payload["video_data"] = [video_data_url(video) for video in request.videos]
         budget = request.sampling.max_new_tokens
         ids: list[int] = []
         logprobs: list[float] = []

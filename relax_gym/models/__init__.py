@@ -1,6 +1,6 @@
 """Models for rollouts and training: the embedded tiny ones and local HF checkpoints.
 
-`load_model("tiny" | "tiny-moe" | "tiny-vl" | "tiny-audio" | folder)` gives a `LoadedModel`;
+`load_model("tiny" | "tiny-moe" | "tiny-vl" | "tiny-audio" | "tiny-omni" | folder)` gives a `LoadedModel`;
 `render_ids` / `processor_inputs` turn chat messages into its exact inputs, and
 `sequence_inputs` rebuilds them for a turn-by-turn appended trajectory.
 """
@@ -10,6 +10,7 @@ from relax_gym.models.inputs import (
     MEDIA_KEYS,
     ChatTemplateError,
     chat_text,
+    concat_media,
     encode,
     encode_media,
     processor_inputs,
@@ -43,6 +44,7 @@ __all__ = [
     "build_tiny_vl",
     "build_tokenizer",
     "chat_text",
+    "concat_media",
     "config_modalities",
     "encode",
     "encode_media",

@@ -33,6 +33,21 @@ MEDIA_KEYS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "input_features
                                "pixel_values_videos", "video_grid_thw", "video_second_per_grid")
 
 
+#: media features whose last dimension is time: a processor pads one call's clips to the longest (the Omni
+#: processors do), so clips from different calls differ there and are padded to concatenate (with mask 0)
+_TIME_LAST_KEYS = frozenset({"input_features", "feature_attention_mask"})
+
+
+def concat_media(key: str, chunks: Sequence[Any]) -> torch.Tensor:
+    """One `MEDIA_KEYS` feature of several turns, samples or requests, concatenated in order along dim 0 (audio
+    features right-padded in time to the longest; the models read each clip's length from its mask)."""
+    tensors = [torch.as_tensor(c) for c in chunks]
+    if key in _TIME_LAST_KEYS and len({t.shape[-1] for t in tensors}) > 1:
+        width = max(t.shape[-1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
+    return torch.cat(tensors)
+
+
 def template_messages(loaded: LoadedModel, messages: list[Message]) -> list[dict[str, Any]]:
     """Messages as `loaded`'s template takes them; the one place content is flattened.
 
@@ -206,7 +221,7 @@ def sequence_inputs(
     inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     for key in MEDIA_KEYS:
         if chunks := [m[key] for m in mm_inputs if key in m]:
-            inputs[key] = torch.cat(chunks)
+            inputs[key] = concat_media(key, chunks)
     if ("image_grid_thw" in inputs or "video_grid_thw" in inputs) and takes_token_types(loaded.model):
         # a VL processor made the grid and names the placeholders (as its `create_mm_token_type_ids`: 1 image, 2 video)
         processor: Any = loaded.processor

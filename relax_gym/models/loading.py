@@ -6,6 +6,7 @@ disk, read with `local_files_only=True`.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import transformers
 from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
@@ -29,7 +31,13 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.utils import logging as hf_logging
 
 from relax_gym.errors import StartupError
-from relax_gym.models.tiny import build_tiny_audio, build_tiny_moe, build_tiny_text, build_tiny_vl
+from relax_gym.models.tiny import (
+    build_tiny_audio,
+    build_tiny_moe,
+    build_tiny_omni,
+    build_tiny_text,
+    build_tiny_vl,
+)
 from relax_gym.models.video_processor import frames_video
 
 log = logging.getLogger(__name__)
@@ -69,7 +77,7 @@ class LoadedModel:
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
-TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-vl", "tiny-audio")
+TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-vl", "tiny-audio", "tiny-omni")
 CHATML_TURN_ENDS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")
 
 
@@ -77,7 +85,7 @@ def _build_tiny(name: str) -> LoadedModel:
     if name in ("tiny", "tiny-moe"):
         model, tokenizer = (build_tiny_text if name == "tiny" else build_tiny_moe)()
         return LoadedModel(model, tokenizer, None, ("text",), name)
-    build = {"tiny-vl": build_tiny_vl, "tiny-audio": build_tiny_audio}[name]
+    build = {"tiny-vl": build_tiny_vl, "tiny-audio": build_tiny_audio, "tiny-omni": build_tiny_omni}[name]
     multimodal, processor = build()
     return LoadedModel(multimodal, processor.tokenizer, processor, config_modalities(multimodal.config), name)
 
@@ -235,11 +243,24 @@ def _load_folder(path: Path, dtype: torch.dtype | None, device: str | torch.devi
     if modalities == ("text",):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return LoadedModel(model, tokenizer, None, modalities, str(path))
-    processor_cls = cast("type[ProcessorMixin]", PROCESSOR_MAPPING[type(config)])  # typed as the tokenizers' pairs
+    processor_cls = _processor_class(config, path)
     # the video part is always `FramesVideoProcessor` (the stock one needs torchvision; it gives the same inputs)
     processor_cls = frames_video(processor_cls)  # type: ignore[arg-type]  # a class is Hashable; mypy disagrees
     processor = processor_cls.from_pretrained(path, local_files_only=True)
     return LoadedModel(model, processor.tokenizer, processor, modalities, str(path))
+
+
+def _processor_class(config: PretrainedConfig, path: Path) -> type[ProcessorMixin]:
+    """The processor class of a multimodal folder: transformers' for its config, else the one its
+    processor_config.json names (a Qwen-Omni thinker's config maps to none)."""
+    if type(config) in PROCESSOR_MAPPING:
+        return cast("type[ProcessorMixin]", PROCESSOR_MAPPING[type(config)])  # typed as the tokenizers' pairs
+    saved = path / "processor_config.json"
+    name = json.loads(saved.read_text(encoding="utf-8")).get("processor_class") if saved.is_file() else None
+    found = getattr(transformers, str(name), None) if name else None
+    if not (isinstance(found, type) and issubclass(found, ProcessorMixin)):
+        raise ValueError(f"no processor class for a {type(config).__name__} (processor_config.json names {name!r})")
+    return found
 
 
 def save_model(loaded: LoadedModel, path: str | Path) -> Path:

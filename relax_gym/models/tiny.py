@@ -2,8 +2,9 @@
 
 They let every part of the stack (rollouts, engines, trainers, the CLI) run on a
 CPU with no hub access while going through the same code paths as a real
-checkpoint: Qwen3 for text, Qwen3-MoE for routed experts, Qwen3-VL for images,
-Qwen2-Audio for audio, all on one trained-in-memory tokenizer and one chat template.
+checkpoint: Qwen3 for text, Qwen3-MoE for routed experts, Qwen3-VL for images and
+video, Qwen2-Audio for audio, Qwen3-Omni's thinker for all of them at once, on one
+trained-in-memory tokenizer and one chat template.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
@@ -179,6 +183,55 @@ def build_tiny_moe(seed: int = 0) -> tuple[Qwen3MoeForCausalLM, PreTrainedTokeni
     with seeded(seed):
         model = Qwen3MoeForCausalLM(config)
     return _finish(model, tokenizer), tokenizer
+
+
+#: the names Qwen-Omni processors read off their tokenizer, given to this tokenizer's own tokens
+OMNI_TOKENS: dict[str, str] = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>",
+}
+
+
+def build_tiny_omni(seed: int = 0) -> tuple[Qwen3OmniMoeThinkerForConditionalGeneration, ProcessorMixin]:
+    """Qwen3-Omni's thinker: text, images, audio and video in one conversation. A mixture-of-experts language
+    model (tiny-moe's experts) under tiny-vl's vision tower (which encodes images and video frames alike) and a
+    2-layer, 32-wide audio encoder over tiny-audio's 32-bin mel features. The stock Qwen3-Omni processor drives
+    it, with `FramesVideoProcessor` for its video part; its clip pixel budget is that processor's own."""
+    tokenizer = build_tokenizer(OMNI_TOKENS)
+    image, video, audio, vision_start, vision_end, audio_start = _token_ids(tokenizer, [
+        "<|image_pad|>", "<|video_pad|>", "<|AUDIO|>", "<|vision_start|>", "<|vision_end|>", "<|audio_bos|>"])
+    # fields the model reads (its position ids) that the config class does not declare, as real checkpoints have
+    vision_tags: dict[str, Any] = {"vision_start_token_id": vision_start, "vision_end_token_id": vision_end}
+    config = Qwen3OmniMoeThinkerConfig(
+        text_config={
+            **_TEXT, **_special_ids(tokenizer), "head_dim": 16,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3],
+                                "mrope_interleaved": True},
+        },
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": VL_PATCH,
+            "spatial_merge_size": VL_MERGE, "temporal_patch_size": 2, "out_hidden_size": _TEXT["hidden_size"],
+            "num_position_embeddings": 64, "deepstack_visual_indexes": [1],
+        },
+        audio_config={
+            "num_mel_bins": AUDIO_MEL_BINS, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+            "d_model": 32, "output_dim": _TEXT["hidden_size"], "downsample_hidden_size": 16,
+        },
+        image_token_id=image, video_token_id=video, audio_token_id=audio, audio_start_token_id=audio_start,
+        **vision_tags,
+    )
+    with seeded(seed):
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
+    processor = frames_video(Qwen3OmniMoeProcessor)(
+        image_processor=vl_image_processor(VL_PATCH, VL_MERGE),
+        video_processor=vl_video_processor(VL_PATCH, VL_MERGE),
+        feature_extractor=WhisperFeatureExtractor(feature_size=AUDIO_MEL_BINS, chunk_length=AUDIO_CHUNK_S),
+        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )
+    return _finish(model, tokenizer), processor
 
 
 def build_tiny_audio(seed: int = 0) -> tuple[Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor]:

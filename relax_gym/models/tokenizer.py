@@ -175,12 +175,16 @@ def _trained_bpe() -> str:
     return train_bpe(SPECIAL_TOKENS, MARKUP_TOKENS)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A fresh tokenizer object (callers may mutate it) over the cached trained vocabulary."""
+def build_tokenizer(extra_special_tokens: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
+    """A fresh tokenizer object (callers may mutate it) over the cached trained vocabulary.
+
+    `extra_special_tokens` names some of its special tokens for processors that read them off the tokenizer
+    (`image_token`, `audio_token`, ... as the Qwen-Omni processors do); the vocabulary stays the same."""
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_bpe()),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
+        **({"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}),
     )

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from relax_gym.messages import Message, message, text
-from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, encode, render_ids, sequence_inputs
+from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, concat_media, encode, render_ids, sequence_inputs
 from relax_gym.models.inputs import at_model_rate
 from relax_gym.models.template_traits import (
     MARK,
@@ -300,7 +300,7 @@ class ConversationTokens:
     # --- outputs ------------------------------------------------------------------
     def mm_inputs(self) -> dict[str, torch.Tensor]:
         """Processor outputs of every image / clip so far, concatenated in turn order."""
-        return {k: torch.cat([f[k] for f in self.turn_mm_inputs if k in f])
+        return {k: concat_media(k, [f[k] for f in self.turn_mm_inputs if k in f])
                 for k in MEDIA_KEYS if any(k in f for f in self.turn_mm_inputs)}
 
     def model_inputs(self) -> Any:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import set_seed
 
-from relax_gym.models import MEDIA_KEYS, LoadedModel, sequence_inputs
+from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inputs
 from relax_gym.models.loading import save_model
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.trainer.backends.base import (
@@ -276,7 +276,7 @@ class TorchBackend:
         inputs: dict[str, torch.Tensor] = {}
         for key in dict.fromkeys(k for x in per_sample for k in x):
             if key in MEDIA_KEYS:
-                value = torch.cat([x[key] for x in per_sample if key in x])
+                value = concat_media(key, [x[key] for x in per_sample if key in x])
             else:
                 like = next(x[key] for x in per_sample if key in x)
                 rows = [
