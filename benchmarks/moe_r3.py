@@ -8,7 +8,8 @@ trajectories; then, with replay off and on:
   with any layer differing;
 - the engine-vs-trainer logprob gap on the trained tokens (mean, p99, max |difference|);
 - the trainer's step time (`TorchBackend.train_step`, GRPO loss) on the same samples, replay on and off
-  interleaved `--repeats` times; the overhead is median(on) / median(off) - 1 (anchor: Relax reports 1.9 %).
+  interleaved `--repeats` times (alternating which goes first); the overhead is median(on) / median(off) - 1
+  (anchor: Relax reports 1.9 %). Run it on a quiet machine: other jobs move a 1 s step by more than that.
 
     python benchmarks/moe_r3.py                     # tiny-moe: 2 layers, 8 experts of width 32, top 2
     python benchmarks/moe_r3.py --shape small-moe   # 4 layers of 256, 32 experts of width 128, top 4
@@ -93,8 +94,8 @@ def step_times(backend: TorchBackend, trajs: list[Trajectory], repeats: int) -> 
     loss_fn = make_loss_fn(AlgorithmConfig(algorithm="grpo"))
     times: dict[bool, list[float]] = {False: [], True: []}
     backend.train_step(samples_of(trajs, True), loss_fn)  # warm-up
-    for _ in range(repeats):
-        for replay in (False, True):
+    for repeat in range(repeats):
+        for replay in ((False, True) if repeat % 2 else (True, False)):  # neither always runs second
             samples = samples_of(trajs, replay)
             start = time.perf_counter()
             backend.train_step(samples, loss_fn)

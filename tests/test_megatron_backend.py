@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ ACTIVE_WEIGHT_TOL = 1e-5
 #: in g; measured ≤ 1.3e-4 = 0.013 lr
 ANY_WEIGHT_TOL = 0.1 * LR
 #: torchrun layouts (name → script arguments); each is one 2-process run, ~20 s on 2 CPU cores
-LAYOUTS = {"tp2": ["--tp", "2", "--logprob-chunk-rows", "5"], "dp2": [], "pp2": ["--pp", "2"]}
+LAYOUTS = {"tp2": ["--tp", "2", "--logprob-chunk-rows", "5"], "dp2": [], "pp2": ["--pp", "2"],
+           "ep2": ["--model", "tiny-moe", "--ep", "2"]}
 RUN_TIMEOUT_S = 300
 
 
@@ -152,6 +154,49 @@ def test_checkpoint_resume_gives_the_same_next_step(tp1: dict[str, Any]) -> None
     assert tp1["resumed_extra"] == {"next_task": 7}
     assert tp1["resumed_version"] == 1
     assert tp1["resumed_next_loss"] == tp1["next_loss"]
+
+
+@pytest.fixture(scope="module")
+def moe1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    hf_model = load_model("tiny-moe").model.eval()
+    return run_checks(lambda: _backend(hf_model), hf_model, tmp_path_factory.mktemp("moe1"))
+
+
+@pytest.mark.slow
+def test_moe_model_matches_the_torch_reference(moe1: dict[str, Any]) -> None:
+    """Qwen3-MoE (experts as megatron's SequentialMLP, fused HF expert tensors sliced and stacked): logprobs,
+    a step, export, checkpoint and resume as the dense model's."""
+    _assert_matches_reference(moe1)
+
+
+@pytest.mark.slow
+def test_moe_replays_routes_as_the_torch_backend_does() -> None:
+    """Routes that are not the model's own (each shifted to the next expert; the last token of each sample
+    unrecorded, -1): megatron's replay and the torch backend's give the same logprobs and the same loss."""
+    from relax_gym.models.moe_routing import recording
+    from relax_gym.trainer.backends.torch_backend import TorchBackend
+
+    loaded = load_model("tiny-moe")
+    experts = loaded.model.config.num_experts
+    samples = make_samples(vocab=loaded.model.config.vocab_size)
+    for sample in samples:
+        with recording(loaded.model) as taken, torch.no_grad():
+            loaded.model(torch.tensor([sample.token_ids]))
+        own = torch.stack([layer[0] for layer in taken], dim=1)  # [tokens, layers, top_k]
+        shifted = (own + 1) % experts
+        shifted[-1] = -1
+        sample.routed_experts = shifted.numpy()
+    megatron = _backend(loaded.model, replay_routes=True)
+    torch_backend = TorchBackend(load_model("tiny-moe"), replay_routes=True, lr=LR, weight_decay=WEIGHT_DECAY)
+    replayed = megatron.logprobs(samples, temperature=TEMPERATURE)
+    expected = torch_backend.logprobs(samples, temperature=TEMPERATURE)
+    assert max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(replayed, expected, strict=True)) \
+        <= LOGPROB_TOL
+    own_routes = [replace(s, routed_experts=None) for s in samples]
+    free = megatron.logprobs(own_routes, temperature=TEMPERATURE)  # the routers' own choice again after a replay
+    assert max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(free, replayed, strict=True)) > 1e-3
+    loss = megatron.train_step(samples, loss_fn, temperature=TEMPERATURE)["loss"]
+    assert abs(loss - torch_backend.train_step(samples, loss_fn, temperature=TEMPERATURE)["loss"]) <= LOSS_TOL
 
 
 @pytest.mark.slow
@@ -287,7 +332,7 @@ def test_bf16_trains_as_fp32_does_and_resumes_exactly_from_its_float32_main_para
         fp32.load_checkpoint(tmp_path / "ck")
 
 
-# --- TP=2, DP=2, PP=2 under torch.distributed.run ----------------------------------------------
+# --- TP=2, DP=2, PP=2, EP=2 under torch.distributed.run ----------------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -299,11 +344,13 @@ def test_parallel_layout_matches_reference(parallel: dict[str, dict[str, Any]], 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_step_loss_equals_tp1(parallel: dict[str, dict[str, Any]], tp1: dict[str, Any],
-                                       layout: str) -> None:
-    assert abs(parallel[layout]["metrics"]["loss"] - tp1["metrics"]["loss"]) <= LOSS_TOL
-    assert abs(parallel[layout]["next_loss"] - tp1["next_loss"]) <= LOSS_TOL
-    assert abs(parallel[layout]["one_sample_step_loss"] - tp1["one_sample_step_loss"]) <= LOSS_TOL
+def test_parallel_step_loss_equals_one_rank(parallel: dict[str, dict[str, Any]], request: pytest.FixtureRequest,
+                                            layout: str) -> None:
+    """Each layout's losses are one rank's with the same model (tp1, or moe1 for expert parallelism)."""
+    one = request.getfixturevalue("moe1" if parallel[layout]["ep"] > 1 else "tp1")
+    assert abs(parallel[layout]["metrics"]["loss"] - one["metrics"]["loss"]) <= LOSS_TOL
+    assert abs(parallel[layout]["next_loss"] - one["next_loss"]) <= LOSS_TOL
+    assert abs(parallel[layout]["one_sample_step_loss"] - one["one_sample_step_loss"]) <= LOSS_TOL
 
 
 def test_one_step_gives_the_same_loss_on_both_backends() -> None:

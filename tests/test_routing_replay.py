@@ -23,7 +23,7 @@ from relax_gym.models.moe_routing import batch_routes, recording, routers, shape
 from relax_gym.rollout import RolloutLimits, RolloutManager
 from relax_gym.trainer.backends.torch_backend import TorchBackend
 from relax_gym.trainer.batch import Sample
-from relax_gym.trainer.config import ConfigError, load_config
+from relax_gym.trainer.config import load_config
 from relax_gym.trainer.loop import Trainer
 from relax_gym.trajectory import Trajectory
 
@@ -167,11 +167,9 @@ def test_an_engine_without_routes_aborts_the_episode_with_why(policy):
         RolloutManager(EmbeddedEngine(load_model("tiny")), load_model("tiny"), routed_experts=True)
 
 
-def test_routing_replay_is_refused_for_a_dense_model_and_for_megatron(tmp_path):
+def test_routing_replay_is_refused_for_a_dense_model(tmp_path):
     base = ["envs=[{id: relax/Arithmetic-v0}]", f"run_dir={tmp_path / 'run'}", "algorithm.routing_replay=true"]
     with pytest.raises(StartupError, match="routing_replay: model 'tiny' is not a mixture of experts"):
         Trainer(load_config(None, [*base, "model.path=tiny"]))
-    with pytest.raises(ConfigError, match=r"routing_replay with trainer\.backend=megatron"):
-        load_config(None, [*base, "model.path=tiny-moe", "trainer.backend=megatron"])
     with pytest.raises(ValueError, match="no mixture-of-experts routers"):
         TorchBackend(load_model("tiny"), replay_routes=True)

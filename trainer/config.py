@@ -182,6 +182,8 @@ class CpuSection(_Strict):
 class MegatronSection(_Strict):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    #: expert parallelism of a mixture-of-experts model: its experts spread over this many data-parallel ranks
+    ep: int = Field(1, ge=1)
     #: parameters and forward: "auto" is bfloat16 on a GPU (float32 main params in the optimizer and the
     #: checkpoint), float32 on a CPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -238,9 +240,6 @@ class TrainConfig(_Strict):
                              "process of its own (a Ray actor); drop trainer.own_process")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
-        if self.algorithm.routing_replay and self.trainer.backend != "torch":
-            raise ValueError(f"algorithm.routing_replay with trainer.backend={self.trainer.backend}: only the torch "
-                             "backend replays routes (the Megatron bridge here takes dense models only)")
         if self.cluster is not None and self.cluster.trainer.world_size > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"cluster.trainer.world_size={self.cluster.trainer.world_size} needs "
                              "trainer.backend=megatron: the torch backend trains in one process")

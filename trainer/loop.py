@@ -89,9 +89,10 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
     if t.backend == "megatron":
         from relax_gym.trainer.backends.megatron import MegatronBackend
 
-        return MegatronBackend(copy.deepcopy(loaded), tp=t.megatron.tp, pp=t.megatron.pp, lr=t.lr,
+        return MegatronBackend(copy.deepcopy(loaded), tp=t.megatron.tp, pp=t.megatron.pp, ep=t.megatron.ep, lr=t.lr,
                                weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, dtype=t.megatron.dtype)
+                               micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, dtype=t.megatron.dtype,
+                               replay_routes=cfg.algorithm.routing_replay)
     from relax_gym.trainer.backends.torch_backend import TorchBackend
 
     return TorchBackend(copy.deepcopy(loaded), lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,

@@ -1,4 +1,4 @@
-"""`run_checks` on a TP/PP/DP layout under `python -m torch.distributed.run`; rank 0 writes the numbers as JSON.
+"""`run_checks` on a TP/PP/DP/EP layout under `python -m torch.distributed.run`; rank 0 writes the numbers as JSON.
 
     cd tests && python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m megatron_scripts.parallel_check --tp 2 --out /tmp/tp2.json --workdir /tmp/tp2
@@ -25,6 +25,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--model", default="tiny", help="a tiny model: tiny, or tiny-moe (with --ep)")
     parser.add_argument("--logprob-chunk-rows", type=int, help="rows of the logprob's working chunk (default: "
                         "its memory budget's, one chunk for the tiny model)")
     parser.add_argument("--out", type=Path, required=True)
@@ -35,7 +37,7 @@ def main() -> None:
     t0 = time.perf_counter()
     from relax_gym.trainer.backends.megatron import MegatronBackend
 
-    hf_model = load_model("tiny").model.eval()
+    hf_model = load_model(args.model).model.eval()
     import_s = time.perf_counter() - t0
     if args.logprob_chunk_rows:
         from relax_gym.trainer.backends.megatron import vocab_logprobs
@@ -43,11 +45,11 @@ def main() -> None:
         vocab_logprobs.CHUNK_ELEMENTS = args.logprob_chunk_rows * hf_model.config.vocab_size // args.tp
 
     def make_backend() -> MegatronBackend:
-        return MegatronBackend(hf_model, tp=args.tp, pp=args.pp, lr=LR, weight_decay=WEIGHT_DECAY,
+        return MegatronBackend(hf_model, tp=args.tp, pp=args.pp, ep=args.ep, lr=LR, weight_decay=WEIGHT_DECAY,
                                grad_clip=GRAD_CLIP, micro_batch_tokens=MICRO_BATCH_TOKENS, seed=0)
 
     result = run_checks(make_backend, hf_model, args.workdir)
-    result |= {"import_s": import_s, "world": dist.get_world_size(), "tp": args.tp, "pp": args.pp}
+    result |= {"import_s": import_s, "world": dist.get_world_size(), "tp": args.tp, "pp": args.pp, "ep": args.ep}
     if dist.get_rank() == 0:
         args.out.write_text(json.dumps(result, indent=1))
     dist.barrier()

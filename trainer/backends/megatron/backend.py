@@ -70,7 +70,7 @@ from relax_gym.trainer.backends.base import (
     rng_states,
     set_rng_states,
 )
-from relax_gym.trainer.backends.megatron import compat
+from relax_gym.trainer.backends.megatron import compat, moe_replay
 from relax_gym.trainer.backends.megatron.bridge import WeightSource, export_hf, make_bridge
 from relax_gym.trainer.backends.megatron.vocab_logprobs import vocab_parallel_token_logprobs
 from relax_gym.trainer.backends.torch_backend import enable_tf32
@@ -91,6 +91,8 @@ class _Batch:
     lengths: list[int]
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    #: with routing replay: [layers, tokens, top_k] in megatron's (sequence-first) token order, -1 unrecorded
+    routes: torch.Tensor | None = None
 
     @property
     def empty(self) -> bool:
@@ -106,7 +108,7 @@ def _check(samples: Sequence[Sample], temperature: float) -> None:
             raise NotImplementedError(f"sample {i} has multimodal inputs; the Megatron backend trains text models")
 
 
-def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
+def _init_distributed(tp: int, pp: int, dp: int | None, ep: int = 1) -> None:
     """A process group (torchrun's, or one rank's own) and megatron's parallel state."""
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -119,12 +121,18 @@ def _init_distributed(tp: int, pp: int, dp: int | None) -> None:
     world = dist.get_world_size()
     if world % (tp * pp) or (dp is not None and dp * tp * pp != world):
         raise ValueError(f"world size {world} is not tp ({tp}) × pp ({pp}) × dp ({dp or 'any'})")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"ep={ep} must divide the data-parallel size {world // (tp * pp)} (experts are spread over "
+                         "data-parallel ranks)")
     if mpu.model_parallel_is_initialized():
-        layout = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-        if layout != (tp, pp):
-            raise RuntimeError(f"megatron's parallel state is already (tp, pp) = {layout}; one layout per process")
+        layout = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size(),
+                  mpu.get_expert_model_parallel_world_size())
+        if layout != (tp, pp, ep):
+            raise RuntimeError(f"megatron's parallel state is already (tp, pp, ep) = {layout}; one layout per "
+                               "process")
     else:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      expert_model_parallel_size=ep)
 
 
 class _HFFiles(NamedTuple):
@@ -174,6 +182,7 @@ class MegatronBackend:
         tp: int = 1,
         pp: int = 1,
         dp: int | None = None,
+        ep: int = 1,
         lr: float = 1e-5,
         weight_decay: float = 0.0,
         grad_clip: float | None = 1.0,
@@ -182,6 +191,7 @@ class MegatronBackend:
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         dtype: Literal["auto", "float32", "bfloat16"] = "auto",
+        replay_routes: bool = False,
     ):
         """`model`: a tiny-model name, an HF checkpoint folder, a `LoadedModel` or a `PreTrainedModel`.
 
@@ -190,10 +200,13 @@ class MegatronBackend:
         `dtype` of the parameters and the forward: "auto" is bfloat16 on a GPU, float32 on a CPU; in bfloat16
         the optimizer keeps float32 main parameters and gradients (megatron's mixed precision), and the
         checkpoint saves those main parameters, so a resumed run continues from the same numbers.
+        `ep`: a mixture-of-experts model's experts spread over that many data-parallel ranks.
+        `replay_routes` (an MoE model): every forward's routers take its samples' `routed_experts` (R3), through
+        megatron-core's own router replay (`moe_replay`).
         """
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
-        _init_distributed(tp, pp, dp)
+        _init_distributed(tp, pp, dp, ep)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.version = 0
         self.micro_batch_tokens = micro_batch_tokens
@@ -209,6 +222,11 @@ class MegatronBackend:
         enable_tf32(self.device)
         self.bridge = make_bridge(hf_config, dtype=self.params_dtype)
         self.bridge.set_extra_args(calculate_per_token_loss=True, variable_seq_lengths=True)
+        if replay_routes:
+            if not getattr(hf_config, "num_experts_per_tok", None):
+                raise ValueError(f"routing replay: a {hf_config.model_type} model has no mixture-of-experts routers")
+            self.bridge.set_extra_args(moe_enable_routing_replay=True)
+        self.replay_routes = replay_routes
         with torch.random.fork_rng(devices=[]):  # init values are overwritten; keep the caller's RNG
             torch.manual_seed(seed)
             self.models: list[DistributedDataParallel] = self.bridge.get_model(
@@ -303,8 +321,8 @@ class MegatronBackend:
         tokenizer and chat template), which every rank helps gather; resuming
         reads the per-rank files below, which hold the same weights in this
         layout's shards.
-        `model_tp{t}_pp{p}.pt`: the (TP, PP) shard of the weights and the scheduler,
-        from DP rank 0; `rank{r}.pt`: each rank's optimizer shard (the torch Adam
+        `model_tp{t}_pp{p}[_ep{e}].pt`: the (TP, PP, EP) shard of the weights and the scheduler,
+        from the first data-parallel rank holding it; `rank{r}.pt`: each rank's optimizer shard (the torch Adam
         states of its distributed-optimizer slice) and RNG states; `meta.pt`:
         version, layout and `extra`. megatron's own DP-rank-0 parameter-state
         format is not used: with torch's AdamW (no apex / TE) it fails on the
@@ -325,7 +343,8 @@ class MegatronBackend:
                 hf_error = err
         del hf_weights
         written = []
-        if mpu.get_data_parallel_rank() == 0:
+        # one writer per shard: data-parallel rank 0, or with experts spread, each expert-parallel rank's first
+        if mpu.get_expert_data_parallel_rank() == 0:
             written.append(path / f"model_{self._mp_tag()}.pt")
             torch.save({"model": [unwrap_model(m).state_dict() for m in self.models],
                         "scheduler": self.scheduler.state_dict()}, written[-1])
@@ -391,26 +410,32 @@ class MegatronBackend:
         """Megatron's schedule over this DP rank's micro-batches; `reduce`'s outputs of all micro-batches of all
         DP ranks."""
         batches = self._micro_batches(samples)
-        store = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, reduce=reduce),
-            data_iterator=iter(batches),
-            model=self.models,
-            num_microbatches=len(batches),
-            seq_length=max(b.input_ids.size(1) for b in batches),
-            micro_batch_size=max(b.input_ids.size(0) for b in batches),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
+        try:
+            store = get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, reduce=reduce),
+                data_iterator=iter(batches),
+                model=self.models,
+                num_microbatches=len(batches),
+                seq_length=max(b.input_ids.size(1) for b in batches),
+                micro_batch_size=max(b.input_ids.size(0) for b in batches),
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
+        finally:
+            if self.replay_routes:
+                for model in self.models:
+                    moe_replay.forget(model)
         # outputs exist on the last pipeline stage; every TP rank there holds the same ones
         holds = mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
         gathered: list[list[Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, store if holds else None)
         return [output for part in gathered if part is not None for output in part]
 
-    @staticmethod
-    def _forward_step(data_iterator: Iterator[_Batch], model: torch.nn.Module,
+    def _forward_step(self, data_iterator: Iterator[_Batch], model: torch.nn.Module,
                       reduce: Callable[..., Any]) -> tuple[torch.Tensor, Callable[..., Any]]:
         batch = next(data_iterator)
+        if self.replay_routes:
+            moe_replay.replay(model, batch.routes)
         return model(batch.input_ids, batch.position_ids, None), partial(reduce, batch)
 
     def _micro_batches(self, samples: Sequence[Sample]) -> list[_Batch]:
@@ -434,7 +459,12 @@ class MegatronBackend:
             width = max(lengths[i] for i in idx)
             ids = pad_rows([samples[i].token_ids for i in idx], width, dtype=torch.long, device=self.device)
             positions = torch.arange(width, device=self.device).expand(len(idx), width)
-            batches.append(_Batch(idx, [lengths[i] for i in idx], ids, positions))
+            routes = None
+            if self.replay_routes and any(samples[i].routed_experts is not None for i in idx):
+                config = self.bridge.config
+                routes = moe_replay.sequence_first_routes([samples[i].routed_experts for i in idx], width,
+                                                          config.num_layers, config.moe_router_topk)
+            batches.append(_Batch(idx, [lengths[i] for i in idx], ids, positions, routes))
         return batches
 
     def _dp_share(self, lengths: Sequence[int]) -> list[int]:
@@ -480,7 +510,8 @@ class MegatronBackend:
 
     # --- checkpoint helpers -----------------------------------------------------------------
     def _layout(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        ep = mpu.get_expert_model_parallel_world_size()
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **({"ep": ep} if ep > 1 else {})}
 
     def _main_params(self) -> list[torch.Tensor]:
         """This rank's float32 main copies of the bf16 parameters (none in float32, where the main params are
@@ -494,7 +525,11 @@ class MegatronBackend:
 
     @staticmethod
     def _mp_tag() -> str:
-        return f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+        """The model shard's name: (TP, PP) rank, and the expert-parallel rank (its own experts) where ep > 1."""
+        tag = f"tp{mpu.get_tensor_model_parallel_rank()}_pp{mpu.get_pipeline_model_parallel_rank()}"
+        if mpu.get_expert_model_parallel_world_size() > 1:
+            tag += f"_ep{mpu.get_expert_model_parallel_rank()}"
+        return tag
 
 
 def _check_extra_state(model_state: dict[str, Any], file: Path) -> None:

@@ -18,7 +18,12 @@ where CUDA is available, so the GPU path is megatron's own, untouched.
   RNG tracker is the inference tracker, whose `fork()` is a no-op: there are no
   CUDA generator states to fork. Consequence: dropout inside tensor-parallel
   regions is not coordinated across TP ranks on CPU (the Qwen models use no
-  dropout, so training is unaffected).
+  dropout, so training is unaffected). The MoE all-to-all token dispatcher copies
+  its split sizes to the host on a side CUDA stream: `torch.cuda.Stream`,
+  `current_stream` and `stream` become one host stand-in (`_HostStream`), on
+  which every copy is already done; and its split sizes become the numpy arrays
+  its device-to-host copy makes of them on a GPU (left as tensors on a CPU, they
+  fail torch's all-to-all, in the backward pass too, where no mode reaches).
 - Per thread, only inside the context: a `TorchFunctionMode` that rewrites
   `device="cuda"` arguments and `.cuda()` / `.to("cuda")` to the CPU and makes
   `Tensor.type()` report the `torch.cuda.*` name megatron's optimizers assert.
@@ -74,6 +79,40 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _HostStream:
+    """One CPU "stream" standing for every CUDA stream: work on it is done when issued, so waiting and events are
+    no-ops (a singleton, so megatron sees the current stream and its side stream as the same one)."""
+
+    _one: _HostStream | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _HostStream:
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `maybe_move_tensor_to_cpu` as it ends on a GPU: a tensor already on the host becomes the numpy
+    array the GPU path's copy gives when `as_numpy`."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.cpu().numpy()
+    return tensor
+
+
+def _host_stream_context(stream: Any = None) -> contextlib.nullcontext[None]:
+    """`torch.cuda.stream(s)`: work on the host stand-in needs no switch."""
+    return contextlib.nullcontext()
+
+
 def enable() -> None:
     """Process-wide part of the layer; idempotent, and a no-op where CUDA is available."""
     global _enabled
@@ -83,9 +122,14 @@ def enable() -> None:
         if _enabled:
             return
         from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.transformer.moe import token_dispatcher
 
         torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment, return-value]  # a device, on purpose
         torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.Stream = _HostStream  # type: ignore[misc, assignment]  # the stand-in, on purpose
+        torch.cuda.current_stream = lambda device=None: _HostStream()  # type: ignore[assignment, return-value]
+        torch.cuda.stream = _host_stream_context  # type: ignore[assignment]  # the stand-in, on purpose
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host
         mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _enabled = True
 
