@@ -19,6 +19,7 @@ BUNDLED: dict[str, str] = {
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
     "relax/AVQA-v0": "relax_gym.envs.av_qa:AVQAEnv",
+    "relax/Remote-v0": "relax_gym.remote_env:RemoteEnv",
     "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",

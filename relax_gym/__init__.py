@@ -8,6 +8,7 @@ importing any submodule (the engines, the trainer) runs no env or plugin code.
 """
 
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
 from relax_gym import envs  # noqa: F401  (registers the bundled ids, once)
 from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
@@ -26,6 +27,19 @@ from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import Tool, tool
 
+if TYPE_CHECKING:
+    from relax_gym.remote_env import RemoteEnv, RemoteEnvError
+
+
+def __getattr__(name: str) -> Any:
+    """`RemoteEnv` and `RemoteEnvError` on first use: importing relax_gym costs no HTTP client."""
+    if name in ("RemoteEnv", "RemoteEnvError"):
+        from relax_gym import remote_env
+
+        return getattr(remote_env, name)
+    raise AttributeError(f"module 'relax_gym' has no attribute {name!r}")
+
+
 try:
     __version__ = _metadata.version("relax-gym")
 except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
@@ -36,6 +50,8 @@ __all__ = [
     "EnvArgumentError",
     "EpisodeOverError",
     "EpisodeState",
+    "RemoteEnv",
+    "RemoteEnvError",
     "RewardResult",
     "SingleTurnEnv",
     "StepResult",

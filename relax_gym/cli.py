@@ -290,6 +290,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env_server(args: argparse.Namespace) -> int:
+    from relax_gym.env_server import serve_env
+    from relax_gym.registration import resolve_env_id
+
+    serve_env(resolve_env_id(args.env), _key_values(args.env_arg), host=args.host, port=args.port,
+              api_key_file=args.api_key_file, max_sessions=args.max_sessions,
+              session_timeout_s=args.session_timeout_s)
+    return 0
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     """One call to a training run's control API; its JSON answer on stdout, a refusal as one line and exit 1."""
     import httpx
@@ -421,6 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=kind.__name__.upper(),
                        help=f"{limit.description} (default {limit.default})")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("env-server", help="serve one env over HTTP (one session per episode) for RemoteEnv")
+    p.add_argument("env", help="a registered env id, or a file.py / module that registers one")
+    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword argument of every session's env (value parsed as YAML; repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
+                        "required beyond loopback)")
+    p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (default 1024)")
+    p.add_argument("--session-timeout-s", type=float, default=600.0,
+                   help="an idle session is closed after this many seconds (default 600)")
+    p.set_defaults(func=cmd_env_server)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run-dir", metavar="DIR", help="the run folder (its control.json and control_token)")

@@ -131,9 +131,9 @@ def routes_from_json(item: dict[str, Any]) -> np.ndarray:
     return flat.reshape(item["shape"]).astype(np.int16)
 
 
-def media_to_json(item: Any) -> dict[str, Any]:
-    """One image (PNG), (waveform, rate) clip (16-bit WAV) or video (a PNG per frame, and its fps) as a JSON-ready
-    dict, base64 inside."""
+def media_to_json(item: Any, *, exact_audio: bool = False) -> dict[str, Any]:
+    """One image (PNG), (waveform, rate) clip (16-bit WAV; 32-bit float with `exact_audio`) or video (a PNG per
+    frame, and its fps) as a JSON-ready dict, base64 inside."""
     if isinstance(item, Image.Image):
         return {"type": "image", "png_b64": png_b64(item)}
     if isinstance(item, Video):
@@ -142,7 +142,8 @@ def media_to_json(item: Any) -> dict[str, Any]:
 
     buf = io.BytesIO()
     wave, rate = item
-    soundfile.write(buf, np.asarray(wave, dtype=np.float32), int(rate), format="WAV", subtype="PCM_16")
+    soundfile.write(buf, np.asarray(wave, dtype=np.float32), int(rate), format="WAV",
+                    subtype="FLOAT" if exact_audio else "PCM_16")
     return {"type": "audio", "wav_b64": base64.b64encode(buf.getvalue()).decode(), "sampling_rate": int(rate)}
 
 

@@ -7,6 +7,8 @@ EXPORTED = [
     "EnvArgumentError",
     "EpisodeOverError",
     "EpisodeState",
+    "RemoteEnv",
+    "RemoteEnvError",
     "RewardResult",
     "SingleTurnEnv",
     "StepResult",
