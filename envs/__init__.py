@@ -20,6 +20,7 @@ BUNDLED: dict[str, str] = {
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
     "relax/AVQA-v0": "relax_gym.envs.av_qa:AVQAEnv",
     "relax/Remote-v0": "relax_gym.remote_env:RemoteEnv",
+    "relax/JudgedQA-v0": "relax_gym.envs.judged_qa:JudgedQAEnv",
     "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",

@@ -63,7 +63,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from PIL import Image
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
@@ -81,12 +81,14 @@ from relax_gym.engines.base import (
     is_loopback,
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
+from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
 from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image, decode_video
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.errors import StartupError
+from relax_gym.tools.formats import tool_format_of
 from relax_gym.video import Video
 
 logger = logging.getLogger("relax_gym.engines")
@@ -602,6 +604,37 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             "modalities": list(modalities),
             "context_length": context,
         }
+
+    tool_format = tool_format_of(engine.loaded)
+
+    def image_of(url: str, where: str) -> Image.Image:
+        try:
+            return decode_image(url, where, max_pixels=limits.max_image_pixels)
+        except MediaError as err:
+            raise BadRequest(str(err)) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionIn, request: Request) -> Any:
+        """OpenAI's chat completions on the served model (`relax_gym.engines.openai_api`)."""
+        nonlocal pending
+        if pending + body.n > limits.max_pending:
+            return error_response(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
+                                  {"Retry-After": "1"})
+        pending += body.n
+        try:
+            answer = await _unless_gone(request, chat_completion(engine, engine.loaded, body, tool_format=tool_format,
+                                                                 decode_image=image_of, model_name=name))
+        finally:
+            pending -= body.n
+        if answer is None:
+            return Response(status_code=499)
+        if body.stream:
+            return StreamingResponse(stream_events(answer), media_type="text/event-stream")
+        return answer
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "relax-gym"}]}
 
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

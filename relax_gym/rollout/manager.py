@@ -36,7 +36,7 @@ from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import experts_per_token, shaped_routes
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
-from relax_gym.tools.formats import ToolCallFormat, get_tool_format, tool_format_for
+from relax_gym.tools.formats import tool_format_of
 from relax_gym.trajectory import Status, Trajectory
 from relax_gym.video import Video
 
@@ -95,13 +95,6 @@ class EnvPool:
     def close(self) -> None:
         while self._idle:
             self._idle.pop().close()
-
-
-def tool_format_of(loaded: LoadedModel) -> ToolCallFormat:
-    """How `loaded`'s tool calls are read: the format its options name, else the one its tokenizer implies."""
-    if loaded.tool_format == "auto":
-        return tool_format_for(loaded.tokenizer)
-    return get_tool_format(loaded.tool_format)
 
 
 class RolloutManager:

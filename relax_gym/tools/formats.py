@@ -728,6 +728,13 @@ def detect_family(tokenizer: Any) -> ToolCallFormat:
     return HERMES
 
 
+def tool_format_of(loaded: Any) -> ToolCallFormat:
+    """How a `LoadedModel`'s tool calls are read: the format its options name, else the one its tokenizer implies."""
+    if loaded.tool_format == "auto":
+        return tool_format_for(loaded.tokenizer)
+    return get_tool_format(loaded.tool_format)
+
+
 def tool_format_for(tokenizer: Any) -> ToolCallFormat:
     """The format to read this tokenizer's model with.
 

@@ -1,0 +1,176 @@
+"""OpenAI's chat completions over any `Engine`: what `relax-gym serve` answers at /v1/chat/completions.
+
+A request's messages are rendered by the served model's own chat template (tools included), generated with
+exact token ids, and answered in OpenAI's shape: the reply's content, its tool calls parsed by the model
+family's parser (`tool_calls`, arguments as a JSON string), `finish_reason` ("tool_calls", "stop",
+"length"), token logprobs when asked, and usage. `n` samples go as `n` requests (the engine batches them);
+`stream` answers the same completion as server-sent events (one chunk per choice, then `[DONE]`).
+Images arrive as `image_url` parts holding data URLs (never fetched from a URL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from relax_gym.messages import Message, image, message, text
+from relax_gym.models import LoadedModel, processor_inputs
+from relax_gym.tools import ToolCallFormat
+
+#: max_tokens when a request gives none
+DEFAULT_MAX_TOKENS = 512
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI's other knobs (user, metadata, ...) change nothing here
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=64)
+    logprobs: bool = False
+    seed: int | None = None
+    stream: bool = False
+
+
+def to_messages(body: ChatCompletionIn, decode_image: Any) -> list[Message]:
+    """The request's messages as relax_gym messages (an assistant's tool calls with arguments as objects, as chat
+    templates take them); `decode_image(data_url, where)` reads an `image_url` part."""
+    out: list[Message] = []
+    for i, msg in enumerate(body.messages):
+        parts: list[Any] = []
+        if isinstance(msg.content, str):
+            parts.append(text(msg.content))
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            if part.get("type") == "text":
+                parts.append(text(str(part.get("text", ""))))
+            elif part.get("type") == "image_url":
+                url = (part.get("image_url") or {}).get("url", "")
+                parts.append(image(decode_image(url, f"messages[{i}].content[{j}]")))
+            else:
+                raise RequestError(f"messages[{i}].content[{j}]: part type {part.get('type')!r} is not taken "
+                                   "(text, image_url)")
+        extra: dict[str, Any] = {}
+        if msg.name is not None:
+            extra["name"] = msg.name
+        if msg.tool_call_id is not None:
+            extra["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            extra["tool_calls"] = [_call_in(c) for c in msg.tool_calls]
+        role = "system" if msg.role == "developer" else msg.role
+        out.append(message(role, *parts, **extra))
+    return out
+
+
+def _call_in(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # else the template renders the string as it is
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+    return {**call, "function": function}
+
+
+def sampling_of(body: ChatCompletionIn) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingParams(temperature=body.temperature, top_p=body.top_p, stop=stop,
+                          max_new_tokens=body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
+                          seed=body.seed)
+
+
+def prompt_request(loaded: LoadedModel, messages: list[Message], body: ChatCompletionIn) -> GenerateRequest:
+    """The generation request of a chat: the template's ids with media placeholders expanded, and the media."""
+    inputs = processor_inputs(loaded, messages, tools=body.tools)
+    media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
+    return GenerateRequest(inputs["input_ids"][0].tolist(), sampling_of(body), images=images, mm_inputs=media or None)
+
+
+def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format: ToolCallFormat,
+              eos_ids: frozenset[int], with_logprobs: bool) -> dict[str, Any]:
+    """One OpenAI choice from an engine output: content, parsed tool calls, finish reason, logprobs."""
+    ids = list(out.output_ids)
+    body = ids[:-1] if ids and ids[-1] in eos_ids else ids
+    raw = loaded.decode(body, skip_special_tokens=False)
+    turn = tool_format.parse(raw)
+    calls = [{"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+              "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+             for call in turn.calls]
+    reply: dict[str, Any] = {"role": "assistant", "content": turn.content if calls else _visible(loaded, body)}
+    if turn.reasoning:
+        reply["reasoning_content"] = turn.reasoning
+    if calls:
+        reply["tool_calls"] = calls
+    finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
+    choice: dict[str, Any] = {"index": index, "message": reply, "finish_reason": finish, "logprobs": None}
+    if with_logprobs:
+        choice["logprobs"] = {"content": [
+            {"token": loaded.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(out.output_ids, out.logprobs, strict=True)]}
+    return choice
+
+
+def _visible(loaded: LoadedModel, ids: list[int]) -> str:
+    return loaded.decode(ids, skip_special_tokens=True)
+
+
+async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatCompletionIn, *,
+                          tool_format: ToolCallFormat, decode_image: Any, model_name: str) -> dict[str, Any]:
+    """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring)."""
+    import asyncio
+
+    messages = to_messages(body, decode_image)
+    request = prompt_request(loaded, messages, body)
+    requests = [request if body.n == 1 else replace(request, sampling=replace(
+        request.sampling, seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
+    outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
+    eos = loaded.stop_token_ids()
+    choices = [choice_of(loaded, out, i, tool_format, eos, body.logprobs) for i, out in enumerate(outputs)]
+    completion = sum(len(o.output_ids) for o in outputs)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model_name, "choices": choices,
+        "usage": {"prompt_tokens": len(request.input_ids), "completion_tokens": completion,
+                  "total_tokens": len(request.input_ids) + completion},
+    }
+
+
+def stream_events(completion: dict[str, Any]) -> Iterator[str]:
+    """A finished completion as OpenAI's server-sent events: one content (and tool-call) chunk per choice, a
+    final chunk with its finish reason, then `[DONE]`."""
+    head = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
+            "model": completion["model"]}
+    for choice in completion["choices"]:
+        delta = {k: v for k, v in choice["message"].items() if v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(delta["tool_calls"])]
+        first = {"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+        yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
+        last = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        yield f"data: {json.dumps({**head, 'choices': [last]})}\n\n"
+    yield f"data: {json.dumps({**head, 'choices': [], 'usage': completion['usage']})}\n\n"
+    yield "data: [DONE]\n\n"

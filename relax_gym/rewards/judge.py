@@ -1,0 +1,180 @@
+"""LLM-as-judge rewards (GenRM): a second model grades each answer, and says so when it could not.
+
+`JudgeReward` fills a prompt template with the question, the answer and (optionally) a reference, asks the
+judge, and parses a score from its reply (`<score>7</score>` by default, out of `max_score`, scaled to 0..1).
+The judge is either any OpenAI-compatible server (`url`: `relax-gym serve`, SGLang, vLLM, a hosted API:
+POST {url}/v1/chat/completions) or an `Engine` in this process with the judge model's `LoadedModel` (its
+chat template renders the prompt). Every call has a timeout and retries with backoff; what the reward says is
+the usual `RewardResult`: `ok` with the score, `timeout` when the judge never answered in time, `error` when
+it failed or its reply held no score, never a silent 0.
+
+Calls from many episodes run concurrently on the judge's own event loop (at most `max_concurrency` at
+once), so a batching judge server (the embedded engine, SGLang) batches them across episodes. A sync call
+(`judge(...)`, from an env's `grade`) blocks its thread only: envs that grade with a judge step in worker
+threads (`Env.blocking`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from relax_gym.rewards.result import RewardResult
+
+if TYPE_CHECKING:
+    from relax_gym.engines.base import Engine
+    from relax_gym.models import LoadedModel
+
+DEFAULT_TEMPLATE = (
+    "You are grading an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n{reference}\n\n"
+    "Answer to grade:\n{response}\n\nHow correct and complete is the answer, from 0 to 10? Think briefly, then "
+    "end with the score as <score>N</score>."
+)
+DEFAULT_PATTERN = r"<score>\s*(-?\d+(?:\.\d+)?)\s*</score>"
+
+
+class JudgeReward:
+    """A judge model's score of an answer (see the module docstring)."""
+
+    def __init__(self, url: str | None = None, *, engine: Engine | None = None, model: LoadedModel | None = None,
+                 model_name: str | None = None, api_key: str | None = None, template: str = DEFAULT_TEMPLATE,
+                 pattern: str = DEFAULT_PATTERN, max_score: float = 10.0, temperature: float = 0.0,
+                 max_tokens: int = 256, timeout_s: float = 30.0, retries: int = 2, max_concurrency: int = 64):
+        if (url is None) == (engine is None):
+            raise ValueError("JudgeReward needs exactly one judge: url= (an OpenAI-compatible server) or engine=")
+        if engine is not None and model is None:
+            raise ValueError("JudgeReward(engine=...) needs model= (the judge's LoadedModel, whose template renders "
+                             "the prompt)")
+        if max_score <= 0 or timeout_s <= 0 or retries < 0 or max_concurrency < 1:
+            raise ValueError("JudgeReward: max_score and timeout_s must be positive, retries >= 0, "
+                             "max_concurrency >= 1")
+        if "{response}" not in template:
+            raise ValueError("JudgeReward template lacks {response}: the judge would not see the answer")
+        from relax_gym.engines.base import api_key_from_env
+
+        self.url = None if url is None else url.rstrip("/")
+        self.engine, self.model = engine, model
+        self.model_name = model_name
+        self.api_key = api_key if api_key is not None else api_key_from_env()
+        self.template, self.pattern = template, re.compile(pattern, re.S)
+        self.max_score, self.temperature, self.max_tokens = max_score, temperature, max_tokens
+        self.timeout_s, self.retries, self.max_concurrency = timeout_s, retries, max_concurrency
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    # --- scoring ---------------------------------------------------------------------------
+    def __call__(self, prompt: str, response: str, reference: str = "") -> RewardResult:
+        """The score, from any thread (the call runs on the judge's own loop; this thread waits for it)."""
+        future = asyncio.run_coroutine_threadsafe(self.ascore(prompt, response, reference), self._own_loop())
+        return future.result()
+
+    async def ascore(self, prompt: str, response: str, reference: str = "") -> RewardResult:
+        """The score, on the caller's loop or the judge's own."""
+        question = self.template.format(prompt=prompt, response=response, reference=reference or "(none given)")
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+            try:
+                reply = await asyncio.wait_for(self._ask(question), self.timeout_s)
+            except TimeoutError:
+                last = "timeout"
+                continue
+            except Exception as err:  # the judge failed this attempt: retried, then reported
+                last = f"{type(err).__name__}: {err}"
+                continue
+            return self.parse(reply)
+        if last == "timeout":
+            return RewardResult(0.0, "timeout", f"the judge gave no answer within {self.timeout_s:g} s, "
+                                                f"{self.retries + 1} attempts")
+        return RewardResult(0.0, "error", f"the judge failed {self.retries + 1} times; last: {last[:300]}")
+
+    def parse(self, reply: str) -> RewardResult:
+        """The last score in `reply`, scaled to 0..1 (clamped); `error` when there is none."""
+        found = self.pattern.findall(reply)
+        if not found:
+            return RewardResult(0.0, "error", f"the judge's reply holds no score: {reply[-200:]!r}")
+        value = float(found[-1] if isinstance(found[-1], str) else found[-1][0])
+        return RewardResult(min(max(value / self.max_score, 0.0), 1.0), extracted=str(value))
+
+    async def _ask(self, question: str) -> str:
+        slots = self._slots_here()
+        async with slots:
+            if self.url is not None:
+                return await self._ask_server(question)
+            return await self._ask_engine(question)
+
+    async def _ask_server(self, question: str) -> str:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(headers=headers, timeout=None)  # wait_for bounds each attempt
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": question}], "temperature": self.temperature,
+                                "max_tokens": self.max_tokens}
+        if self.model_name:
+            body["model"] = self.model_name
+        answer = await self._client.post(f"{self.url}/v1/chat/completions", json=body)
+        if answer.status_code >= 400:
+            raise RuntimeError(f"{self.url} answered {answer.status_code}: {answer.text[:200]}")
+        return str(answer.json()["choices"][0]["message"].get("content") or "")
+
+    async def _ask_engine(self, question: str) -> str:
+        from relax_gym.engines.base import GenerateRequest, SamplingParams
+        from relax_gym.messages import message
+        from relax_gym.models import render_ids
+
+        assert self.engine is not None and self.model is not None  # __init__: the engine path has both
+        ids = render_ids(self.model, [message("user", question)])
+        out = await self.engine.generate(GenerateRequest(ids, SamplingParams(temperature=self.temperature,
+                                                                             max_new_tokens=self.max_tokens)))
+        return self.model.decode(out.output_ids, skip_special_tokens=True)
+
+    # --- the judge's event loop ------------------------------------------------------------------
+    def _slots_here(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._slots is None or getattr(self._slots, "_relax_loop", None) is not loop:
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+            self._slots._relax_loop = loop  # type: ignore[attr-defined]  # which loop it belongs to
+            self._client = None  # an httpx client belongs to its loop too
+        return self._slots
+
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="relax-judge", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def close(self) -> None:
+        """Stops the judge's own loop (a later sync call starts another)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            if self._client is not None:
+                self._run_on(loop, self._client.aclose())
+            loop.call_soon_threadsafe(loop.stop)
+
+    @staticmethod
+    def _run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=5)
+
+
+_shared: dict[str, JudgeReward] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_judge(**kwargs: Any) -> JudgeReward:
+    """One `JudgeReward` per distinct settings in this process: the envs of a rollout share it (and its event
+    loop, client and concurrency bound) instead of each starting its own."""
+    key = repr(sorted(kwargs.items()))
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = JudgeReward(**kwargs)
+        return _shared[key]

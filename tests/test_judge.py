@@ -1,0 +1,132 @@
+"""OpenAI's chat completions on `relax-gym serve` (driven by the real `openai` client), and judge rewards
+(`JudgeReward`, `relax/JudgedQA-v0`): a score parsed from the judge's reply, `timeout` and `error` reported as
+such, never a silent 0."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import openai
+import pytest
+from engine_support import KEY, serving
+
+from relax_gym import make
+from relax_gym.conformance import run_checks
+from relax_gym.engines import EmbeddedEngine, SamplingParams
+from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion
+from relax_gym.engines.scripted import ScriptedEngine
+from relax_gym.models import load_model, render_ids
+from relax_gym.rewards import JudgeReward
+from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.tools.formats import tool_format_of
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def judge_server():
+    with serving(load_model("tiny")) as (url, _):
+        yield url
+
+
+def test_the_openai_client_talks_to_relax_gym_serve(tiny, judge_server):
+    client = openai.OpenAI(base_url=f"{judge_server}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8,
+                                           logprobs=True, n=2)
+
+    async def local():
+        engine = EmbeddedEngine(load_model("tiny"))
+        try:
+            from relax_gym.engines.base import GenerateRequest
+            return await engine.generate(GenerateRequest(render_ids(tiny, [{"role": "user", "content": [
+                {"type": "text", "text": "What is 2+2?"}]}]), SamplingParams(temperature=0, max_new_tokens=8)))
+        finally:
+            await engine.close()
+
+    out = asyncio.run(local())
+    assert len(reply.choices) == 2 and reply.choices[0].message.content == tiny.decode(out.output_ids,
+                                                                                       skip_special_tokens=True)
+    assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(out.logprobs, abs=1e-5)
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=8,
+                                                 stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{judge_server}/v1", api_key="wrong").models.list()
+
+
+def test_tool_calls_come_back_in_openais_shape(tiny):
+    fmt = tool_format_of(tiny)
+    engine = ScriptedEngine(tiny, [fmt.write_calls([("get_weather", {"city": "Paris"})], "Let me look.")])
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}
+    body = ChatCompletionIn(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather])
+    answer = asyncio.run(chat_completion(engine, tiny, body, tool_format=fmt, decode_image=None, model_name="tiny"))
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "get_weather",
+                                                               "arguments": '{"city": "Paris"}'}
+    follow = ChatCompletionIn(messages=[  # the call and its result go back in as OpenAI clients send them
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'}], tools=[weather])
+    seen = []
+
+    def reply(turn):
+        seen.append(turn.text)
+        return "It is 18 C."
+
+    again = asyncio.run(chat_completion(ScriptedEngine(tiny, reply), tiny, follow, tool_format=fmt,
+                                        decode_image=None, model_name="tiny"))
+    assert again["choices"][0]["message"]["content"] == "It is 18 C."
+    assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in seen[0]  # the result reached the template
+
+
+def test_a_judge_scores_and_says_when_it_failed(tiny, judge_server):
+    scripted = JudgeReward(engine=ScriptedEngine(tiny, ["The answer is right. <score>7</score>"]), model=tiny)
+    result = scripted("What is 2+2?", "4", "4")
+    assert (result.score, result.status, result.extracted) == (0.7, "ok", "7.0")
+
+    served = JudgeReward(judge_server, api_key=KEY, max_tokens=8, retries=0)  # a random model writes no score
+    result = served("What is 2+2?", "4")
+    assert result.status == "error" and "no score" in result.detail
+
+    silent = socket.socket()  # accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    try:
+        slow = JudgeReward(f"http://127.0.0.1:{port}", timeout_s=0.3, retries=1)
+        started = time.monotonic()
+        result = slow("What is 2+2?", "4")
+        assert (result.score, result.status) == (0.0, "timeout") and "0.3 s, 2 attempts" in result.detail
+        assert time.monotonic() - started < 5
+        refused = JudgeReward("http://127.0.0.1:9", timeout_s=2, retries=0)  # nothing listens on port 9
+        assert refused("q", "a").status == "error"
+    finally:
+        silent.close()
+
+
+def test_judged_qa_rolls_out_with_a_served_judge_and_reports_its_status(tiny, judge_server):
+    judge = {"url": judge_server, "api_key": KEY, "max_tokens": 8, "retries": 0}
+    report = run_checks("relax/JudgedQA-v0", lambda: make("relax/JudgedQA-v0", judge=judge))
+    assert report.passed, report
+    policy = ScriptedEngine(tiny, ["Blue light scatters more than red."])  # ends its turn: graded by the judge
+    manager = RolloutManager(policy, tiny, limits=RolloutLimits(max_turns=1))
+    trajs = asyncio.run(manager.run("relax/JudgedQA-v0", 2, 2, env_kwargs={"judge": judge}))
+    graded = [t for t in trajs if t.status == "completed"]
+    assert graded and all(t.metrics["reward_status"] == "error" and t.reward == 0.0 for t in graded)
+    with pytest.raises(ValueError, match="needs a judge"):
+        make("relax/JudgedQA-v0")
+    assert threading.active_count() < 200  # the envs share one judge (one loop thread), not one each
