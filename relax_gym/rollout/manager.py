@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from relax_gym.agents.agent_env import AgentEnv
 from relax_gym.core import Env
 from relax_gym.engines.base import (
     SGLANG_SEED_MASK,
@@ -127,6 +128,10 @@ class RolloutManager:
         self.sampling_seed = sampling_seed
         #: a group's episodes share their prompt's render (see `PromptCache`)
         self.prompts = PromptCache()
+        #: the agent proxy, its URL and server, started on the loop by the first agent episode
+        self.agent_proxy: Any = None
+        self._agent_server: tuple[str, Any, asyncio.Task] | None = None
+        self._agent_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         #: with `routed_experts`, the model's experts per token (what shapes the engine's flat routes)
         self.routes_top_k: int | None = None
         if routed_experts:
@@ -147,8 +152,9 @@ class RolloutManager:
         """`group_size` episodes of the same task (same reset seed), for group-relative advantages."""
         pool = self.pool(env_id, env_kwargs)
         group_id = f"{env_id}#{seed}"
-        return list(await asyncio.gather(*(self.run_episode(pool, seed, group_id, member)
-                                           for member in range(group_size))))
+        episodes = await asyncio.gather(*(self.run_episode(pool, seed, group_id, member)
+                                          for member in range(group_size)))
+        return [t for samples in episodes for t in samples]
 
     async def run(self, env_id: str, n_tasks: int, group_size: int = 1, *, seed: int = 0,
                   env_kwargs: dict[str, Any] | None = None,
@@ -177,7 +183,10 @@ class RolloutManager:
             loop.set_default_executor(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="relax-env"))
             self._threads_for = loop
 
-    async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "", member: int = 0) -> Trajectory:
+    async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "",
+                          member: int = 0) -> list[Trajectory]:
+        """One episode's samples: its trajectory, or an agent episode's (one per chain of calls, see
+        `relax_gym.agents.proxy`)."""
         self._ensure_threads()
         async with self._slots:
             try:
@@ -185,7 +194,14 @@ class RolloutManager:
             except Exception as err:  # a bad kwarg or data file: the episode records why, the caller decides
                 episode = _Episode(self, None, pool.env_id, seed, group_id, member)
                 episode.end("failed", f"env make raised {type(err).__name__}: {err}")
-                return episode.trajectory()
+                return [episode.trajectory()]
+            if isinstance(env, AgentEnv):
+                from relax_gym.agents.episode import play_agent
+
+                try:
+                    return await play_agent(self, env, pool.env_id, seed, group_id, member)
+                finally:
+                    pool.release(env, healthy=True)
             if hasattr(env, "tool_format") and "tool_format" not in vars(env):
                 env.tool_format = self.tool_format  # the model's format, unless the env was made with one
             episode = _Episode(self, env, pool.env_id, seed, group_id, member)
@@ -197,11 +213,16 @@ class RolloutManager:
                 # an aborted episode's env may still be inside a step in a worker thread (a timeout
                 # cancels the await, not the thread): only envs that ended cleanly are reused
                 pool.release(env, healthy=episode.status in ("completed", "truncated"))
-            return episode.trajectory()
+            return [episode.trajectory()]
 
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+        if self._agent_server is not None:
+            server, task = self._agent_server[1:]
+            server.should_exit = True
+            await task
+            self._agent_server = None
 
 
 class _Episode:

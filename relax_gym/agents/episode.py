@@ -1,0 +1,92 @@
+"""One agent episode under the rollout manager: the agent runs against its own proxy session, and each chain
+of its calls becomes a trajectory (`relax_gym.agents.proxy`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from relax_gym.agents.agent_env import AgentEnv, task_text
+from relax_gym.agents.proxy import AgentProxy, AgentSession, serve_on_this_loop
+from relax_gym.rewards import RewardResult
+from relax_gym.trajectory import Status, Trajectory
+
+if TYPE_CHECKING:
+    from relax_gym.rollout.manager import RolloutManager
+
+
+async def _proxy_of(manager: RolloutManager) -> tuple[AgentProxy, str]:
+    """The manager's proxy, started on its loop the first time (one per manager: sessions are per episode);
+    the episodes of a group arrive together, and the first starts it while the others wait."""
+    loop = asyncio.get_running_loop()
+    if manager._agent_lock is None or manager._agent_lock[0] is not loop:  # a lock belongs to one loop
+        manager._agent_lock = (loop, asyncio.Lock())
+    async with manager._agent_lock[1]:
+        if manager._agent_server is None or manager._agent_server[2].done():
+            manager.agent_proxy = AgentProxy(manager.engine, manager.loaded, manager.sampling)
+            manager._agent_server = await serve_on_this_loop(manager.agent_proxy.app())
+    return manager.agent_proxy, manager._agent_server[0]
+
+
+async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: int, group_id: str,
+                     member: int) -> list[Trajectory]:
+    """Runs `env.agent` on the task `seed` names with a client on a fresh session; its chains as trajectories."""
+    import openai
+
+    proxy, url = await _proxy_of(manager)
+    task = env.draw_task(seed)
+    sid = proxy.open()
+    client = openai.AsyncOpenAI(base_url=f"{url}/s/{sid}/v1", api_key=proxy.api_key, max_retries=0,
+                                timeout=manager.limits.episode_timeout_s)
+    status: Status = "completed"
+    reason, reward, detail = "", 0.0, None
+    started = time.perf_counter()
+    try:
+        result = await asyncio.wait_for(env.agent(client, task), manager.limits.episode_timeout_s)
+        if isinstance(result, RewardResult):
+            reward, detail = result.score, result.to_info()
+        else:
+            reward = float(result)
+    except TimeoutError:
+        status, reason = "aborted", f"agent timed out after {manager.limits.episode_timeout_s}s"
+    except Exception as err:
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        status, reason = "failed", f"agent raised {type(err).__name__}: {err} ({frame.filename}:{frame.lineno})"
+    finally:
+        session = proxy.close(sid)
+        await client.close()
+    if not session.chains and status == "completed":
+        status, reason = "failed", "the agent made no model call"
+    if session.error and status == "completed":
+        reason = f"a model call failed: {session.error}"
+    metrics: dict[str, Any] = {"agent_s": round(time.perf_counter() - started, 6), "agent_calls": session.calls,
+                               "agent_chains": len(session.chains)}
+    if detail and detail.get("status") != "ok":
+        metrics["reward_status"] = detail["status"]
+    if not session.chains:
+        return [_empty(env_id, group_id, seed, task, status, reason, metrics)]
+    return [_trajectory(session, i, env_id, group_id, seed, task, reward, status, reason, metrics)
+            for i in range(len(session.chains))]
+
+
+def _trajectory(session: AgentSession, index: int, env_id: str, group_id: str, seed: int, task: Any,
+                reward: float, status: Status, reason: str, metrics: dict[str, Any]) -> Trajectory:
+    conv = session.chains[index].conv
+    traj = Trajectory(
+        token_ids=conv.token_ids, prompt_len=conv.prompt_len, loss_mask=conv.loss_mask,
+        rollout_logprobs=conv.logprobs, versions=conv.versions, reward=reward, step_rewards=[reward],
+        status=status, status_reason=reason, group_id=group_id, env_id=env_id, task=task_text(task)[:500],
+        segments=conv.segments, media=conv.media, mm_inputs=conv.mm_inputs(),
+        metrics={**metrics, "turns": conv.turns, "agent_chain": index}, seed=seed,
+    )
+    traj.check()
+    return traj
+
+
+def _empty(env_id: str, group_id: str, seed: int, task: Any, status: Status, reason: str,
+           metrics: dict[str, Any]) -> Trajectory:
+    return Trajectory(token_ids=[], prompt_len=0, loss_mask=[], rollout_logprobs=[], versions=[], reward=0.0,
+                      step_rewards=[], status=status, status_reason=reason, group_id=group_id, env_id=env_id,
+                      task=task_text(task)[:500], metrics={**metrics, "turns": 0}, seed=seed)

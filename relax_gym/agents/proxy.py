@@ -1,0 +1,206 @@
+"""The OpenAI-compatible endpoint agents are trained through: one session per episode, exact tokens recorded.
+
+An agent program (its own code, an agent framework) calls `/s/{session}/v1/chat/completions` with an
+`openai` client, as it would call any OpenAI-style API. The proxy renders the messages with the policy's chat
+template, generates on the rollout's engine, answers in OpenAI's shape (tool calls parsed by the model
+family's parser) and records every call's exact prompt and completion tokens, logprobs and policy versions.
+
+Calls chain: when a call's messages are the previous call's, then the reply it got, then new messages (tool
+results, a user turn), its prompt is the previous tokens, the generated ones and the template delta of the
+new messages (`ConversationTokens`: never a re-render), so the episode is one sequence whose loss mask covers
+the model's tokens only. A call that does not continue an earlier one (the agent rewrote its history, changed
+tools) starts another chain; each chain becomes its own sample, and the episode says how many it made.
+
+Sampling is the run's (temperature, top-p, top-k): the trainer's logprobs are taken at the rollout's
+temperature, so an agent's own `temperature` is not used; its `max_tokens` (capped by the run's) and `stop`
+are. `n` must be 1 (one reply continues an episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from relax_gym.engines.base import Engine, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, stream_events, to_messages
+from relax_gym.models import LoadedModel
+from relax_gym.rollout.tokens import ConversationTokens
+from relax_gym.tools.formats import tool_format_of
+
+
+@dataclass
+class Chain:
+    """One sequence of calls that continue each other: its tokens, and the last request and reply as sent."""
+
+    conv: ConversationTokens
+    request: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    reply: dict[str, Any] | None = None
+
+
+@dataclass
+class AgentSession:
+    """One episode's calls."""
+
+    chains: list[Chain] = field(default_factory=list)
+    calls: int = 0
+    #: the last call's failure, if a call failed (the episode reports it)
+    error: str = ""
+
+
+def _plain(messages: list[Any]) -> list[dict[str, Any]]:
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def _same_reply(sent: dict[str, Any], ours: dict[str, Any] | None) -> bool:
+    """Whether the agent's assistant message is the reply it got (content and tool calls, arguments as data)."""
+    if ours is None or sent.get("role") != "assistant":
+        return False
+    if (sent.get("content") or "") != (ours.get("content") or ""):
+        return False
+
+    def calls(message: dict[str, Any]) -> list[tuple[Any, Any]]:
+        out = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                with contextlib.suppress(json.JSONDecodeError):
+                    arguments = json.loads(arguments)
+            out.append((function.get("name"), arguments))
+        return out
+
+    return calls(sent) == calls(ours)
+
+
+class AgentProxy:
+    """Chat completions for agent sessions over `engine` (see the module docstring); serve it with `app()`."""
+
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams):
+        self.engine, self.loaded, self.sampling = engine, loaded, sampling
+        self.tool_format = tool_format_of(loaded)
+        self.eos_ids = loaded.stop_token_ids()
+        self.sessions: dict[str, AgentSession] = {}
+        self.api_key = secrets.token_urlsafe(24)
+
+    def open(self) -> str:
+        sid = secrets.token_urlsafe(12)
+        self.sessions[sid] = AgentSession()
+        return sid
+
+    def close(self, sid: str) -> AgentSession:
+        return self.sessions.pop(sid)
+
+    def _chain(self, session: AgentSession, body: ChatCompletionIn) -> Chain:
+        sent = _plain(body.messages)
+        for chain in reversed(session.chains):
+            known = len(chain.request)
+            if (body.tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
+                    and _same_reply(sent[known], chain.reply)
+                    and all(m.get("role") != "assistant" for m in sent[known + 1:])):
+                chain.conv.append_observation(to_messages(replace_messages(body, sent[known + 1:]), _no_images))
+                chain.request = sent
+                return chain
+        conv = ConversationTokens.start(self.loaded, to_messages(body, _no_images), body.tools or None)
+        chain = Chain(conv, sent, body.tools)
+        session.chains.append(chain)
+        return chain
+
+    async def complete(self, sid: str, body: ChatCompletionIn) -> dict[str, Any]:
+        """One call of session `sid`, recorded; the OpenAI completion."""
+        session = self.sessions.get(sid)
+        if session is None:
+            raise RequestError(f"no agent session {sid!r} (the episode is over)")
+        if body.n != 1:
+            raise RequestError("n must be 1 in a training episode: one reply continues it")
+        session.calls += 1
+        chain = self._chain(session, body)
+        limit = min(body.max_completion_tokens or body.max_tokens or self.sampling.max_new_tokens,
+                    self.sampling.max_new_tokens)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        sampling = replace(self.sampling, max_new_tokens=limit, stop=stop or self.sampling.stop)
+        conv = chain.conv
+        images = [m for m in conv.media if not isinstance(m, tuple)]
+        request = GenerateRequest(list(conv.token_ids), sampling, images=images, audios=conv.request_audios,
+                                  mm_inputs=conv.mm_inputs() or None, rid=f"agent/{sid}/{session.calls}")
+        out = await self.engine.generate(request)
+        conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
+        choice = choice_of(self.loaded, out, 0, self.tool_format, self.eos_ids, body.logprobs)
+        chain.reply = choice["message"]
+        return {"id": f"chatcmpl-{sid}-{session.calls}", "object": "chat.completion", "created": 0,
+                "model": self.loaded.name, "choices": [choice],
+                "usage": {"prompt_tokens": len(request.input_ids), "completion_tokens": len(out.output_ids),
+                          "total_tokens": len(request.input_ids) + len(out.output_ids)}}
+
+    def app(self) -> Any:
+        """The ASGI app: /s/{session}/v1/chat/completions and /s/{session}/v1/models, behind the proxy's key."""
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import StreamingResponse
+
+        from relax_gym.engines.server_guard import Guard, error_response
+
+        app = FastAPI(title="relax-gym agent proxy")
+
+        @app.exception_handler(RequestError)
+        async def _bad(request: Any, exc: RequestError) -> Any:
+            return error_response(400, str(exc))
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Any, exc: RequestValidationError) -> Any:
+            return error_response(400, str(exc.errors())[:500])
+
+        @app.post("/s/{sid}/v1/chat/completions")
+        async def chat(sid: str, body: ChatCompletionIn) -> Any:
+            try:
+                answer = await self.complete(sid, body)
+            except RequestError:
+                raise
+            except Exception as err:  # the engine or the template failed this call: the agent sees why
+                if sid in self.sessions:
+                    self.sessions[sid].error = f"{type(err).__name__}: {err}"
+                return error_response(500, f"{type(err).__name__}: {err}")
+            if body.stream:
+                return StreamingResponse(stream_events(answer), media_type="text/event-stream")
+            return answer
+
+        @app.get("/s/{sid}/v1/models")
+        async def models(sid: str) -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": self.loaded.name, "object": "model", "created": 0,
+                                                "owned_by": "relax-gym"}]}
+
+        return Guard(app, api_key=self.api_key, max_body_bytes=64 * 2**20)
+
+
+def replace_messages(body: ChatCompletionIn, messages: list[dict[str, Any]]) -> ChatCompletionIn:
+    return body.model_copy(update={"messages": [type(body.messages[0]).model_validate(m) for m in messages]})
+
+
+def _no_images(url: str, where: str) -> Any:
+    raise RequestError(f"{where}: images in agent calls are not taken yet (send text)")
+
+
+async def serve_on_this_loop(app: Any) -> tuple[str, Any, asyncio.Task]:
+    """`app` under uvicorn as a task of the running loop, on a free loopback port: (URL, server, task)."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    class Quiet(uvicorn.Server):
+        def capture_signals(self) -> Any:  # the loop's owner (the trainer) keeps its signal handlers
+            return contextlib.nullcontext()
+
+    server = Quiet(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises why it could not start
+        await asyncio.sleep(0.01)
+    return f"http://127.0.0.1:{port}", server, task

@@ -1,0 +1,111 @@
+"""Agents written against the `openai` package, trained through the agent proxy (`relax_gym.agents`).
+
+With a scripted policy that calls the weather tool and then answers, the example agent's episode is one chain:
+the trained tokens are exactly what the engine generated, the tool result and the glue around it are masked,
+and the agent's reward is the trajectory's. An agent that rewrites its history makes a second chain; one that
+raises fails its episode with why. The example registers, passes `relax-gym check`, rolls out and trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from relax_gym.agents import AgentEnv
+from relax_gym.cli import main
+from relax_gym.engines.scripted import ScriptedEngine
+from relax_gym.models import load_model
+from relax_gym.registration import register
+from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.tools.formats import tool_format_of
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "openai_agent.py"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def example():
+    namespace: dict = {}
+    exec(compile(EXAMPLE.read_text(), str(EXAMPLE), "exec"), namespace)  # registers example/OpenAIAgent-v0
+    return namespace
+
+
+def _run(loaded, engine, env_id: str, n: int = 2, group: int = 2):
+    manager = RolloutManager(engine, loaded, limits=RolloutLimits(episode_timeout_s=60))
+
+    async def go():
+        try:
+            return await manager.run(env_id, n, group)
+        finally:
+            await manager.close()
+
+    return asyncio.run(go())
+
+
+def test_a_tool_agent_episode_is_one_chain_with_exact_tokens_and_masked_tool_results(tiny, example):
+    fmt = tool_format_of(tiny)
+
+    def policy(turn):  # call the tool for the city the agent asked about, then state its temperature
+        if turn.turn == 0:
+            city = next(c for c in example["WEATHER"] if c in turn.text)
+            return fmt.write_calls([("get_weather", {"city": city})])
+        temp = json.loads(turn.text.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0])["temp_c"]
+        return f"It is {temp} degrees."
+
+    engine = ScriptedEngine(tiny, policy, logprob=-0.5)
+    trajs = _run(tiny, engine, "example/OpenAIAgent-v0")
+    assert len(trajs) == 4 and all(t.status == "completed" and t.reward == 1.0 for t in trajs)
+    for traj in trajs:
+        assert traj.metrics["agent_calls"] == 2 and traj.metrics["agent_chains"] == 1 and traj.metrics["turns"] == 2
+        trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+        policy_segments = [s for s in traj.segments if s.kind == "policy"]
+        assert trained == [t for s in policy_segments for t in traj.token_ids[s.start:s.end]]
+        assert all(lp == -0.5 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m)
+        env_segments = [s for s in traj.segments if s.kind == "env"]
+        assert env_segments and "temp_c" in env_segments[0].text  # the tool result: in the sequence, masked
+        assert all(traj.loss_mask[i] == 0 for s in env_segments for i in range(s.start, s.end))
+
+
+def test_a_rewritten_history_makes_a_second_chain_and_a_raising_agent_fails(tiny):
+    async def forgetful(client, task):
+        first = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(model="p", messages=[  # drops the first reply: a new chain
+            {"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+        return 0.5 if first.choices else 0.0
+
+    async def broken(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}])
+        raise KeyError("no such tool")
+
+    register("test/Forgetful-v0", lambda: AgentEnv(forgetful, tasks=["t"]))
+    register("test/Broken-v0", lambda: AgentEnv(broken, tasks=["t"]))
+    engine = ScriptedEngine(tiny, lambda turn: "ok")
+    forgot = _run(tiny, engine, "test/Forgetful-v0", n=1, group=1)
+    assert len(forgot) == 2 and [t.metrics["agent_chain"] for t in forgot] == [0, 1]
+    assert all(t.reward == 0.5 and t.metrics["agent_chains"] == 2 for t in forgot)
+    [failed] = _run(tiny, engine, "test/Broken-v0", n=1, group=1)
+    assert failed.status == "failed" and "agent raised KeyError" in failed.status_reason
+
+
+def test_the_example_checks_rolls_out_and_trains(tmp_path, capsys):
+    assert main(["check", str(EXAMPLE)]) == 0
+    out = tmp_path / "agent.jsonl"
+    assert main(["rollout", "--env", str(EXAMPLE), "--model", "tiny", "-n", "2", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["status"] == "completed" and r["metrics"]["agent_calls"] >= 1 for r in rows)
+    run = tmp_path / "run"
+    code = main(["train", str(ROOT / "examples" / "configs" / "quickstart.yaml"), f"run_dir={run}",
+                 f"envs=[{{id: {EXAMPLE}}}]", "model=tiny", "trainer.total_steps=2", "trainer.checkpoint_every=2",
+                 "trainer.eval_every=0", "rollout.groups_per_step=2", "rollout.group_size=2",
+                 "rollout.max_new_tokens=16", "rollout.max_total_tokens=1024", "algorithm.entropy_coef=0.01"])
+    assert code == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
