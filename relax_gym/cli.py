@@ -181,7 +181,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         console.print(f"  turns {s['turns_mean']:.1f}, tool calls {s['tool_calls_mean']:.1f}, tokens "
                       f"{s['tokens_mean']:.0f} ({s['generated_tokens_mean']:.0f} generated); time generating "
                       f"{s['generate_s']:.1f} s, in env {s['env_s']:.1f} s", highlight=False)
-        for label in ("failures", "truncations"):
+        for label in ("failures", "truncations", "reward_failures"):
             if s[label]:
                 console.print(f"  {label}: {s[label]}", highlight=False)
         if s["truncations"].get("max_new_tokens"):

@@ -5,9 +5,11 @@ such, never a silent 0."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -130,3 +132,43 @@ def test_judged_qa_rolls_out_with_a_served_judge_and_reports_its_status(tiny, ju
     with pytest.raises(ValueError, match="needs a judge"):
         make("relax/JudgedQA-v0")
     assert threading.active_count() < 200  # the envs share one judge (one loop thread), not one each
+
+
+def _judged_run(tmp_path, judge: dict, steps: int = 2) -> int:
+    """Two steps of the quickstart's warm-started policy on judged questions in the quickstart's own format (so
+    it answers in a few tokens and ends its turn)."""
+    from relax_gym.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "questions.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}? Reply with just the integer.",
+                                        "reference": str(a + b)}) + "\n" for a, b in ((2, 3), (4, 1), (6, 2))))
+    kwargs = json.dumps({"judge": judge, "data_path": str(data)})
+    envs = f"envs=[{{id: relax/JudgedQA-v0, kwargs: {kwargs}}}]"
+    return main(["train", str(root / "examples" / "configs" / "quickstart.yaml"), f"run_dir={tmp_path / 'run'}",
+                 envs, f"trainer.total_steps={steps}", "trainer.checkpoint_every=100", "trainer.eval_every=0",
+                 "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8"])
+
+
+def test_a_config_trains_on_a_served_judges_scores_and_a_dead_judge_stops_the_run(tmp_path, capsys):
+    """The warm-started policy answers in a few tokens, so its episodes complete and the judge grades them. The
+    judge is a second tiny model served by `relax-gym serve`'s app: the same warm start, which answers any prompt
+    with digits, so the test reads its first digit as the score (pattern, max_score): the plumbing is the point.
+    A judge that never answers makes every reward `timeout` and stops the run with that, not training on zeros."""
+    judge_model = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "checkpoints" /
+                                 "tiny-arithmetic"))
+    with serving(judge_model) as (url, _):
+        scored = {"url": url, "api_key": KEY, "pattern": r"(\d)", "max_score": 9, "max_tokens": 8, "retries": 0}
+        assert _judged_run(tmp_path / "ok", scored) == 0
+    steps = [json.loads(line) for line in (tmp_path / "ok" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and any(s["reward_mean"] > 0 for s in steps)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        dead = {"url": f"http://127.0.0.1:{silent.getsockname()[1]}", "timeout_s": 0.3, "retries": 0}
+        assert _judged_run(tmp_path / "dead", dead) != 0
+    finally:
+        silent.close()
+    assert "no reward of step 1 could be computed ({'timeout': 4}" in capsys.readouterr().out.replace("\n", " ")

@@ -42,7 +42,7 @@ from relax_gym.models.moe_routing import experts_per_token
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
-from relax_gym.rollout.metrics import reason_kind, status_breakdown
+from relax_gym.rollout.metrics import reason_kind, reward_failures, status_breakdown
 from relax_gym.rollout.startup import EnvUse, check_run
 from relax_gym.trainer.algorithms import filter_uniform_groups, make_loss_fn, one_group_advantages
 from relax_gym.trainer.backends.base import TrainBackend
@@ -599,9 +599,14 @@ class Trainer:
         return {}
 
     def _stop_if_not_learning(self, trajs: list[Any], trained: bool) -> None:
-        """Every episode failing the same way stops the run at once; no trainable sample for
-        `max_steps_without_samples` steps in a row stops it too."""
+        """Every episode failing the same way, or every reward failing to be computed (a judge that times out),
+        stops the run at once; no trainable sample for `max_steps_without_samples` steps in a row stops it too."""
         self.steps_without_samples = 0 if trained else self.steps_without_samples + 1
+        unscored = reward_failures(trajs)
+        if trajs and sum(unscored.values()) == len(trajs):
+            detail = next((str((i.get("reward") or {}).get("detail")) for t in trajs for i in t.infos[-1:]), "")
+            raise RunStopped(f"no reward of step {self.step} could be computed ({unscored}: a judge or grader that "
+                             f"times out or fails scores nothing), so nothing can be learnt; e.g. {detail[:300]}")
         if trained or not trajs:
             return
         kinds = {reason_kind(t.status_reason) for t in trajs}

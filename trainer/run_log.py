@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from relax_gym.rollout.metrics import status_breakdown
+from relax_gym.rollout.metrics import reward_failures, status_breakdown
 from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.databus import Group, group_staleness
 from relax_gym.trajectory import Trajectory, append_jsonl
@@ -72,6 +72,7 @@ class RunLog:
             "trained_samples": len(samples),
             "status": dict(Counter(t.status for t in trajs)),
             "truncated_by": dict(Counter(t.status_reason for t in trajs if t.status == "truncated")),
+            "reward_failures": reward_failures(trajs),
             "generated_tokens_mean": generated / len(trajs) if trajs else 0.0,
             "trained_generated_tokens_mean": fmean(sum(s.loss_mask) for s in samples) if samples else 0.0,
             "trained_seq_len_mean": fmean(len(s.token_ids) for s in samples) if samples else 0.0,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from relax_gym.engines.base import Engine, GenerateRequest, RequestError, SamplingParams
-from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, stream_events, to_messages
+from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, offered_tools, stream_events, to_messages
 from relax_gym.models import LoadedModel
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
@@ -96,17 +96,17 @@ class AgentProxy:
         return self.sessions.pop(sid)
 
     def _chain(self, session: AgentSession, body: ChatCompletionIn) -> Chain:
-        sent = _plain(body.messages)
+        sent, tools = _plain(body.messages), offered_tools(body)
         for chain in reversed(session.chains):
             known = len(chain.request)
-            if (body.tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
+            if (tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
                     and _same_reply(sent[known], chain.reply)
                     and all(m.get("role") != "assistant" for m in sent[known + 1:])):
                 chain.conv.append_observation(to_messages(replace_messages(body, sent[known + 1:]), _no_images))
                 chain.request = sent
                 return chain
-        conv = ConversationTokens.start(self.loaded, to_messages(body, _no_images), body.tools or None)
-        chain = Chain(conv, sent, body.tools)
+        conv = ConversationTokens.start(self.loaded, to_messages(body, _no_images), tools)
+        chain = Chain(conv, sent, tools)
         session.chains.append(chain)
         return chain
 

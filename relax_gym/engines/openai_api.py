@@ -95,6 +95,12 @@ def _call_in(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
+def offered_tools(body: ChatCompletionIn) -> list[dict[str, Any]] | None:
+    """The tools the template shows: none under `tool_choice: "none"`. "auto", "required" and a named function
+    show them all; the model decides whether to call (nothing forces a call)."""
+    return None if body.tool_choice == "none" else body.tools or None
+
+
 def sampling_of(body: ChatCompletionIn) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(temperature=body.temperature, top_p=body.top_p, stop=stop,
@@ -104,7 +110,7 @@ def sampling_of(body: ChatCompletionIn) -> SamplingParams:
 
 def prompt_request(loaded: LoadedModel, messages: list[Message], body: ChatCompletionIn) -> GenerateRequest:
     """The generation request of a chat: the template's ids with media placeholders expanded, and the media."""
-    inputs = processor_inputs(loaded, messages, tools=body.tools)
+    inputs = processor_inputs(loaded, messages, tools=offered_tools(body))
     media = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
     return GenerateRequest(inputs["input_ids"][0].tolist(), sampling_of(body), images=images, mm_inputs=media or None)

@@ -37,8 +37,15 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
             "rerender_mismatches": sum(1 for x in m if x.get("rerender_match") is False
                                        and not x.get("rerender_expected")),
             "rerender_expected_diffs": sum(1 for x in m if x.get("rerender_expected")),
+            "reward_failures": reward_failures(trajs),
         }
     return out
+
+
+def reward_failures(trajectories: Iterable[Trajectory]) -> dict[str, int]:
+    """Episodes whose reward could not be computed, by the reward's status (`timeout`, `error`): they score 0
+    without being wrong, so a run reports them apart from wrong answers."""
+    return dict(Counter(s for t in trajectories if (s := t.metrics.get("reward_status", "ok")) != "ok"))
 
 
 def status_breakdown(trajectories: Iterable[Trajectory], examples: int = 3) -> str:
