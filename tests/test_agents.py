@@ -109,3 +109,20 @@ def test_the_example_checks_rolls_out_and_trains(tmp_path, capsys):
     assert code == 0
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
+
+
+def test_an_agent_can_stream_and_list_models_and_is_refused_n_above_one(tiny):
+    async def streaming(client, task):
+        names = [m.id async for m in client.models.list()]
+        stream = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}], n=2)
+        except Exception as err:  # openai.BadRequestError
+            refused = "n must be 1" in str(err)
+        return float(names == ["tiny"] and text == "streamed" and refused)
+
+    register("test/Streaming-v0", lambda: AgentEnv(streaming, tasks=["t"]))
+    [traj] = _run(tiny, ScriptedEngine(tiny, ["streamed"]), "test/Streaming-v0", n=1, group=1)
+    assert traj.status == "completed" and traj.reward == 1.0 and traj.metrics["agent_calls"] == 1  # n=2: refused

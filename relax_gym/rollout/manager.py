@@ -218,11 +218,12 @@ class RolloutManager:
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-        if self._agent_server is not None:
-            server, task = self._agent_server[1:]
-            server.should_exit = True
-            await task
+        if self._agent_server is not None:  # the agent proxy, if an agent episode started it on this loop
+            _, server, task = self._agent_server
             self._agent_server = None
+            server.should_exit = True
+            if not task.done() and task.get_loop() is asyncio.get_running_loop():
+                await task
 
 
 class _Episode:
