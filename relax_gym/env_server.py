@@ -77,7 +77,7 @@ class EnvSessions:
 
     def open(self, tool_format: str | None) -> str:
         if len(self.sessions) >= self.max_sessions:
-            raise _Refused(503, f"{len(self.sessions)} sessions are open, the server's limit (max_sessions)")
+            raise Refused(503, f"{len(self.sessions)} sessions are open, the server's limit (max_sessions)")
         env = make(self.env_id, **self.env_kwargs)
         if tool_format is not None and hasattr(env, "tool_format"):
             from relax_gym.tools import get_tool_format
@@ -86,7 +86,7 @@ class EnvSessions:
                 env.tool_format = get_tool_format(tool_format)
             except (KeyError, ValueError) as err:
                 env.close()
-                raise _Refused(400, f"tool_format: {err}") from None
+                raise Refused(400, f"tool_format: {err}") from None
         sid = secrets.token_urlsafe(12)
         self.sessions[sid] = _Session(env)
         return sid
@@ -94,7 +94,7 @@ class EnvSessions:
     def get(self, sid: str) -> _Session:
         session = self.sessions.get(sid)
         if session is None:
-            raise _Refused(404, f"no session {sid!r} (closed, timed out after {self.timeout_s:g} s, or never opened)")
+            raise Refused(404, f"no session {sid!r} (closed, timed out after {self.timeout_s:g} s, or never opened)")
         session.last_used = time.monotonic()
         return session
 
@@ -116,7 +116,10 @@ class EnvSessions:
         self.probe.close()
 
 
-class _Refused(Exception):
+class Refused(Exception):
+    """A request the env server answers with `status` and this message (a full server, an unknown session, an env
+    that raised)."""
+
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
@@ -144,8 +147,8 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
     app = FastAPI(title=f"relax-gym env-server: {env_id}", lifespan=lifespan)
     app.state.sessions = sessions
 
-    @app.exception_handler(_Refused)
-    async def _refused(request: Request, exc: _Refused) -> Any:
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, exc: Refused) -> Any:
         return error_response(exc.status, str(exc))
 
     @app.get("/health")
@@ -171,7 +174,7 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
                 result = await call(session.env)
             except Exception as err:  # the env's failure ends its episode; the server goes on
                 sessions.close(sid)
-                raise _Refused(500, f"env {what} raised {type(err).__name__}: {err}") from None
+                raise Refused(500, f"env {what} raised {type(err).__name__}: {err}") from None
             session.last_used = time.monotonic()
             return result
 

@@ -10,6 +10,7 @@ defines it and, in brackets, a shorter path that re-exports it
 
     Exception
       NotExercised                  relax_gym.conformance
+      Refused                       relax_gym.env_server  (the env server answers its status: 400, 404, 500, 503)
       ToolError                     relax_gym.tools.function_tool [relax_gym.tools]
       UnsafeCheckpointError         relax_gym.trainer.safe_load
       AssertionError
@@ -32,6 +33,7 @@ defines it and, in brackets, a shorter path that re-exports it
         MessageError                relax_gym.messages
         ScaleRejected               relax_gym.trainer.cluster.scale  (the control API answers its status: 400, 404, 409)
         TemplateError               relax_gym.models.template_traits [relax_gym.rollout]
+        VideoError                  relax_gym.video
       RuntimeError
         EngineError                 relax_gym.engines.base [relax_gym.engines]
           EngineUnavailableError    relax_gym.engines.base [relax_gym.engines]
@@ -41,6 +43,7 @@ defines it and, in brackets, a shorter path that re-exports it
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
         EpisodeOverError            relax_gym.core [relax_gym]
         PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
+        RemoteEnvError              relax_gym.remote_env [relax_gym]  (the env server is unreachable or refused)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
           TrainerProcessError       relax_gym.trainer.backends.process  (trainer.own_process: the child died)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
