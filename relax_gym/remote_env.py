@@ -64,7 +64,10 @@ class RemoteEnv(Env[list[Message]]):
         return messages_from_json(answer["observation"]), answer["info"]
 
     def step(self, action: str) -> StepResult:
-        return self._stepped(self._sync("POST", f"/sessions/{self._running()}/step", {"action": action}))
+        result = self._stepped(self._sync("POST", f"/sessions/{self._running()}/step", {"action": action}))
+        if result[2] or result[3]:
+            self._close_session_sync()  # the episode is over: its env on the server goes now, not at the timeout
+        return result
 
     def close(self) -> None:
         self._close_session_sync()
@@ -81,7 +84,11 @@ class RemoteEnv(Env[list[Message]]):
         return messages_from_json(answer["observation"]), answer["info"]
 
     async def astep(self, action: str) -> StepResult:
-        return self._stepped(await self._async("POST", f"/sessions/{self._running()}/step", {"action": action}))
+        result = self._stepped(await self._async("POST", f"/sessions/{self._running()}/step", {"action": action}))
+        if (result[2] or result[3]) and self._session is not None:
+            await self._async("DELETE", f"/sessions/{self._session}", quiet=True)
+            self._session = None
+        return result
 
     # --- plumbing -------------------------------------------------------------------------------
     def _session_body(self) -> dict[str, Any]:
@@ -94,8 +101,6 @@ class RemoteEnv(Env[list[Message]]):
         return self._session
 
     def _stepped(self, answer: dict[str, Any]) -> StepResult:
-        if answer["terminated"] or answer["truncated"]:
-            self._session = None  # the server keeps it until it times out, or the next reset's close
         return (messages_from_json(answer["observation"]), float(answer["reward"]), bool(answer["terminated"]),
                 bool(answer["truncated"]), answer["info"])
 
