@@ -21,7 +21,7 @@ import numpy as np
 
 from relax_gym.core import Env, StepResult
 from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
-from relax_gym.envs.datasets import DatasetError, load_records, require_gold, shipped_path
+from relax_gym.envs.datasets import DatasetError, load_records, record_index, require_gold, shipped_path
 from relax_gym.messages import Message, Part, audio, message, text
 from relax_gym.rewards import RewardResult, multiple_choice_reward
 from relax_gym.single_turn import SingleTurnEnv
@@ -105,12 +105,7 @@ class AudioQAEnv(SingleTurnEnv):
     # --- episode ------------------------------------------------------------------
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> int:
         """A record index: `options["index"]` when given, else a seeded draw."""
-        index = options.get("index")
-        if index is None:
-            return int(rng.integers(len(self.tasks)))
-        if not isinstance(index, int | np.integer) or not 0 <= index < len(self.tasks):
-            raise ValueError(f"options['index'] must be an int in [0, {len(self.tasks)}), got {index!r}")
-        return int(index)
+        return record_index(options, len(self.tasks), rng)
 
     def grade(self, task: int, answer: str) -> RewardResult:
         record = self.tasks[task]

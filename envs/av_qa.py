@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 from relax_gym.core import Env
 from relax_gym.envs.audio_io import AudioSource, load_audio
 from relax_gym.envs.audio_qa import DATA_SUFFIXES, answer_letter
-from relax_gym.envs.datasets import DatasetError, load_records, read_image, require_gold
+from relax_gym.envs.datasets import DatasetError, load_records, read_image, record_index, require_gold
 from relax_gym.messages import Message, audio, image, message, text
 from relax_gym.rewards import RewardResult, multiple_choice_reward
 from relax_gym.single_turn import SingleTurnEnv
@@ -71,14 +71,7 @@ class AVQAEnv(SingleTurnEnv):
     # --- episode ------------------------------------------------------------------
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> AVQATask | int:
         """A record index (user data: `options["index"]` or a seeded draw), else a drawn task."""
-        if not self.tasks:
-            return drawn_task(rng)
-        index = options.get("index")
-        if index is None:
-            return int(rng.integers(len(self.tasks)))
-        if not isinstance(index, int | np.integer) or not 0 <= index < len(self.tasks):
-            raise ValueError(f"options['index'] must be an int in [0, {len(self.tasks)}), got {index!r}")
-        return int(index)
+        return record_index(options, len(self.tasks), rng) if self.tasks else drawn_task(rng)
 
     def record(self, task: AVQATask | int) -> AVQATask:
         return self.tasks[task] if isinstance(task, int) else task

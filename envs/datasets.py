@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from relax_gym.rewards.result import is_missing
@@ -72,6 +73,17 @@ def require_gold(value: Any, where: str, key: str) -> Any:
     if is_missing(value):
         raise DatasetError(f"{where}: {key!r} is missing or empty (got {value!r}); a record needs a non-empty answer")
     return value
+
+
+def record_index(options: dict[str, Any], count: int, rng: Any) -> int:
+    """The record an episode plays: `options["index"]` when given (checked against the `count` records), else a
+    seeded draw."""
+    index = options.get("index")
+    if index is None:
+        return int(rng.integers(count))
+    if not isinstance(index, int | np.integer) or not 0 <= index < count:
+        raise ValueError(f"options['index'] must be an int in [0, {count}), got {index!r}")
+    return int(index)
 
 
 def pick(records: Sequence[Any], rng: Any) -> tuple[int, Any]:

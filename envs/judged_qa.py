@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from relax_gym.core import Env
-from relax_gym.envs.datasets import DatasetError, load_records, require_gold
+from relax_gym.envs.datasets import DatasetError, load_records, record_index, require_gold
 from relax_gym.rewards import RewardResult
 from relax_gym.rewards.judge import JudgeReward, shared_judge
 from relax_gym.single_turn import SingleTurnEnv
@@ -55,8 +55,7 @@ class JudgedQAEnv(SingleTurnEnv):
         self.tasks = QUESTIONS if data_path is None else _records(Path(data_path).expanduser())
 
     def new_task(self, rng: np.random.Generator, options: dict[str, Any]) -> dict[str, Any]:
-        index = options.get("index")
-        index = int(rng.integers(len(self.tasks))) if index is None else int(index)
+        index = record_index(options, len(self.tasks), rng)
         question, reference = self.tasks[index]
         return {"index": index, "prompt": question, "reference": reference}
 
