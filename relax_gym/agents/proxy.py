@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relax_gym.engines.base import Engine, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.base import Engine, RequestError, SamplingParams
 from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, offered_tools, stream_events, to_messages
 from relax_gym.models import LoadedModel
 from relax_gym.rollout.tokens import ConversationTokens
@@ -123,12 +123,9 @@ class AgentProxy:
                     self.sampling.max_new_tokens)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         sampling = replace(self.sampling, max_new_tokens=limit, stop=stop or self.sampling.stop)
-        conv = chain.conv
-        images = [m for m in conv.media if not isinstance(m, tuple)]
-        request = GenerateRequest(list(conv.token_ids), sampling, images=images, audios=conv.request_audios,
-                                  mm_inputs=conv.mm_inputs() or None, rid=f"agent/{sid}/{session.calls}")
+        request = chain.conv.request(sampling, f"agent/{sid}/{session.calls}")
         out = await self.engine.generate(request)
-        conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
+        chain.conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
         choice = choice_of(self.loaded, out, 0, self.tool_format, self.eos_ids, body.logprobs)
         chain.reply = choice["message"]
         return {"id": f"chatcmpl-{sid}-{session.calls}", "object": "chat.completion", "created": 0,

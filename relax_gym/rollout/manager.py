@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from relax_gym.agents.agent_env import AgentEnv
 from relax_gym.core import Env
@@ -39,7 +38,6 @@ from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import tool_format_of
 from relax_gym.trajectory import Status, Trajectory
-from relax_gym.video import Video
 
 
 def settle_heap() -> None:
@@ -288,16 +286,8 @@ class _Episode:
                 # in-process engine and a served one sample the same tokens
                 seed = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest()) & SGLANG_SEED_MASK
                 sampling = replace(sampling, seed=seed)
-            request = GenerateRequest(
-                input_ids=list(self.conv.token_ids),
-                sampling=sampling,
-                images=[x for x in self.conv.media if isinstance(x, Image.Image)],
-                audios=self.conv.request_audios,
-                videos=[x for x in self.conv.media if isinstance(x, Video)],
-                mm_inputs=self.conv.mm_inputs() or None,
-                rid=f"{self.group_id}/{self.member}/{self.conv.turns}",
-                return_routed_experts=m.routes_top_k is not None,
-            )
+            request = self.conv.request(sampling, f"{self.group_id}/{self.member}/{self.conv.turns}",
+                                        return_routed_experts=m.routes_top_k is not None)
             start = time.perf_counter()
             try:
                 out = await m.engine.generate(request)

@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
+from relax_gym.engines.base import GenerateRequest, SamplingParams
 from relax_gym.messages import Message, message, text
 from relax_gym.models import MEDIA_KEYS, LoadedModel, chat_text, concat_media, encode, render_ids, sequence_inputs
 from relax_gym.models.inputs import at_model_rate
@@ -298,6 +300,21 @@ class ConversationTokens:
         return cut
 
     # --- outputs ------------------------------------------------------------------
+    def request(self, sampling: SamplingParams, rid: str | None = None, *,
+                return_routed_experts: bool = False) -> GenerateRequest:
+        """The engine request that continues this conversation: its tokens, its media (audio at the model's rate)
+        and their processor outputs."""
+        return GenerateRequest(
+            input_ids=list(self.token_ids),
+            sampling=sampling,
+            images=[x for x in self.media if isinstance(x, Image.Image)],
+            audios=self.request_audios,
+            videos=[x for x in self.media if isinstance(x, Video)],
+            mm_inputs=self.mm_inputs() or None,
+            rid=rid,
+            return_routed_experts=return_routed_experts,
+        )
+
     def mm_inputs(self) -> dict[str, torch.Tensor]:
         """Processor outputs of every image / clip so far, concatenated in turn order."""
         return {k: concat_media(k, [f[k] for f in self.turn_mm_inputs if k in f])
