@@ -7,9 +7,9 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import torch
@@ -17,7 +17,7 @@ import uvicorn
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, ServerLimits, create_app
-from relax_gym.engines.base import GenerateRequest, SamplingParams
+from relax_gym.engines.base import GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.engines.server import uvicorn_config
 from relax_gym.models import MEDIA_KEYS, LoadedModel, load_model, processor_inputs, sequence_inputs
 
@@ -120,3 +120,28 @@ def serving(
     """`served`, as (URL, engine)."""
     with served(loaded, port, limits, **engine_kwargs) as s:
         yield s.url, s.engine
+
+
+class EndsEachTurn:
+    """An engine whose every answer ends its turn: the last generated token becomes `end_id` (finish "stop"), so a
+    random model's episodes go on for several turns. That token is the one no forward ran, so its logprob and
+    routes are never asked for. It keeps each (request, output); its `after`-th call first runs `on_call` (to
+    kill a server mid-rollout)."""
+
+    def __init__(self, inner: EmbeddedEngine, end_id: int, *, after: int | None = None,
+                 on_call: Callable[[], None] | None = None):
+        self.inner, self.end_id, self.after, self.on_call = inner, end_id, after, on_call
+        self.calls = 0
+        self.requests: list[tuple[GenerateRequest, GenerateOutput]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        self.calls += 1
+        if self.on_call is not None and self.calls == self.after:
+            self.on_call()
+        out = await self.inner.generate(request)
+        out = replace(out, output_ids=[*out.output_ids[:-1], self.end_id], finish_reason="stop")
+        self.requests.append((request, out))
+        return out

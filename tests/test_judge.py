@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from pathlib import Path
 
 import openai
@@ -110,10 +108,8 @@ def test_a_judge_scores_and_says_when_it_failed(tiny, judge_server):
     port = silent.getsockname()[1]
     try:
         slow = JudgeReward(f"http://127.0.0.1:{port}", timeout_s=0.3, retries=1)
-        started = time.monotonic()
         result = slow("What is 2+2?", "4")
         assert (result.score, result.status) == (0.0, "timeout") and "0.3 s, 2 attempts" in result.detail
-        assert time.monotonic() - started < 5
         refused = JudgeReward("http://127.0.0.1:9", timeout_s=2, retries=0)  # nothing listens on port 9
         assert refused("q", "a").status == "error"
     finally:
@@ -131,7 +127,8 @@ def test_judged_qa_rolls_out_with_a_served_judge_and_reports_its_status(tiny, ju
     assert graded and all(t.metrics["reward_status"] == "error" and t.reward == 0.0 for t in graded)
     with pytest.raises(ValueError, match="needs a judge"):
         make("relax/JudgedQA-v0")
-    assert threading.active_count() < 200  # the envs share one judge (one loop thread), not one each
+    # the envs of a run share one judge (one event loop, client and concurrency bound), not one each
+    assert make("relax/JudgedQA-v0", judge=judge).judge is make("relax/JudgedQA-v0", judge=judge).judge
 
 
 def _judged_run(tmp_path, judge: dict, steps: int = 2) -> int:

@@ -16,15 +16,14 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 import httpx
 import pytest
+from engine_support import EndsEachTurn
 
 from relax_gym import RemoteEnv, RemoteEnvError
 from relax_gym.conformance import run_checks
 from relax_gym.engines import EmbeddedEngine, SamplingParams
-from relax_gym.engines.base import GenerateOutput, GenerateRequest
 from relax_gym.models import load_model
 from relax_gym.rollout import RolloutLimits, RolloutManager
 
@@ -61,24 +60,6 @@ def env_server(env_id: str, *args: str) -> Iterator[tuple[str, subprocess.Popen]
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-
-
-class EndsEachTurn:
-    """The embedded engine, each answer's last token made the end of turn (so a random model's episodes go on
-    for several turns); `after` calls, `on_call` runs (to kill a server mid-rollout)."""
-
-    def __init__(self, inner: EmbeddedEngine, end_id: int, *, after: int | None = None, on_call=None):
-        self.inner, self.end_id, self.after, self.on_call, self.calls = inner, end_id, after, on_call, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        self.calls += 1
-        if self.after is not None and self.calls == self.after:
-            self.on_call()
-        out = await self.inner.generate(request)
-        return replace(out, output_ids=[*out.output_ids[:-1], self.end_id], finish_reason="stop")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +135,8 @@ def test_idle_sessions_are_closed_and_too_many_are_refused():
         client.post("/sessions", json={}, headers=auth)
         refused = client.post("/sessions", json={}, headers=auth)
         assert refused.status_code == 503 and "max_sessions" in refused.json()["error"]["message"]
-        time.sleep(0.2)  # the server's sweep runs every half timeout
+        time.sleep(0.1)  # longer than the timeout: both sessions are idle
+        app.app.state.sessions.close_idle()  # what the server's sweep does (if it has not already)
         assert not app.app.state.sessions.sessions
         gone = client.post(f"/sessions/{first}/reset", json={"seed": 0}, headers=auth)
         assert gone.status_code == 404 and "timed out" in gone.json()["error"]["message"]

@@ -14,9 +14,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from engine_support import EndsEachTurn
 
 from relax_gym.engines import EmbeddedEngine, SamplingParams
-from relax_gym.engines.base import GenerateOutput, GenerateRequest
 from relax_gym.errors import StartupError
 from relax_gym.models import load_model
 from relax_gym.models.moe_routing import batch_routes, recording, routers, shaped_routes
@@ -28,24 +28,6 @@ from relax_gym.trainer.loop import Trainer
 from relax_gym.trajectory import Trajectory
 
 SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0)
-
-
-class EndsEachTurn:
-    """The embedded engine, with each answer's last token made the end of turn, so a random model's episodes
-    go on for several turns (the routes of that token are never asked for: it is the one no forward ran)."""
-
-    def __init__(self, inner: EmbeddedEngine, end_id: int):
-        self.inner, self.end_id = inner, end_id
-        self.requests: list[tuple[GenerateRequest, GenerateOutput]] = []
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        out = await self.inner.generate(request)
-        out = replace(out, output_ids=[*out.output_ids[:-1], self.end_id], finish_reason="stop")
-        self.requests.append((request, out))
-        return out
 
 
 @pytest.fixture(scope="module")
