@@ -16,8 +16,8 @@ from relax_gym.messages import Message, validate_messages
 from relax_gym.trajectory import media_from_json, media_to_json
 from relax_gym.video import Video
 
-#: a media part's key for its value, by part type
-_MEDIA = {"image": "image", "audio": "audio", "video": "video"}
+#: part types whose value is a medium, held under the part's type as key (audio also has its sampling_rate)
+_MEDIA = frozenset({"image", "audio", "video"})
 
 
 def messages_to_json(messages: list[Message]) -> list[dict[str, Any]]:
@@ -32,7 +32,7 @@ def messages_to_json(messages: list[Message]) -> list[dict[str, Any]]:
                 media = media_to_json((item["audio"], item["sampling_rate"]), exact_audio=True)
                 content.append({"type": "audio", "media": media})
             elif kind in _MEDIA:
-                content.append({"type": kind, "media": media_to_json(item[_MEDIA[kind]])})
+                content.append({"type": kind, "media": media_to_json(item[kind])})
             else:
                 content.append(item)
         out.append({**msg, "content": content})
@@ -54,7 +54,7 @@ def messages_from_json(data: Any) -> list[Message]:
                     wave, rate = value
                     content.append({"type": "audio", "audio": np.asarray(wave, np.float32), "sampling_rate": rate})
                 else:
-                    content.append({"type": kind, _MEDIA[kind]: value})
+                    content.append({"type": kind, kind: value})
             else:
                 content.append(part)
         out.append({**msg, "content": content} if isinstance(msg, dict) else msg)

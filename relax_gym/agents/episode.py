@@ -9,7 +9,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from relax_gym.agents.agent_env import AgentEnv, task_text
-from relax_gym.agents.proxy import AgentProxy, AgentSession, serve_on_this_loop
+from relax_gym.agents.proxy import AgentSession, ProxyServer
 from relax_gym.rewards import RewardResult
 from relax_gym.trajectory import Status, Trajectory
 
@@ -17,25 +17,14 @@ if TYPE_CHECKING:
     from relax_gym.rollout.manager import RolloutManager
 
 
-async def _proxy_of(manager: RolloutManager) -> tuple[AgentProxy, str]:
-    """The manager's proxy, started on its loop the first time (one per manager: sessions are per episode);
-    the episodes of a group arrive together, and the first starts it while the others wait."""
-    loop = asyncio.get_running_loop()
-    if manager._agent_lock is None or manager._agent_lock[0] is not loop:  # a lock belongs to one loop
-        manager._agent_lock = (loop, asyncio.Lock())
-    async with manager._agent_lock[1]:
-        if manager._agent_server is None or manager._agent_server[2].done():
-            manager.agent_proxy = AgentProxy(manager.engine, manager.loaded, manager.sampling)
-            manager._agent_server = await serve_on_this_loop(manager.agent_proxy.app())
-    return manager.agent_proxy, manager._agent_server[0]
-
-
 async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: int, group_id: str,
                      member: int) -> list[Trajectory]:
     """Runs `env.agent` on the task `seed` names with a client on a fresh session; its chains as trajectories."""
     import openai
 
-    proxy, url = await _proxy_of(manager)
+    if manager.agent_server is None:
+        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling)
+    proxy, url = await manager.agent_server.get()
     task = env.draw_task(seed)
     sid = proxy.open()
     client = openai.AsyncOpenAI(base_url=f"{url}/s/{sid}/v1", api_key=proxy.api_key, max_retries=0,

@@ -181,19 +181,48 @@ def _no_images(url: str, where: str) -> Any:
     raise RequestError(f"{where}: images in agent calls are not taken yet (send text)")
 
 
-async def serve_on_this_loop(app: Any) -> tuple[str, Any, asyncio.Task]:
+class ProxyServer:
+    """A rollout manager's agent proxy, served on the manager's loop by its first agent episode (the episodes of a
+    group arrive together: the first starts it while the others wait), and again on a later loop."""
+
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams):
+        self.engine, self.loaded, self.sampling = engine, loaded, sampling
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # a lock belongs to one loop
+        self._served: tuple[AgentProxy, str, Any, asyncio.Task] | None = None
+
+    async def get(self) -> tuple[AgentProxy, str]:
+        """The proxy and its URL, started here if it is not running on this loop."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        async with self._lock[1]:
+            if self._served is None or self._served[3].done() or self._served[3].get_loop() is not loop:
+                proxy = AgentProxy(self.engine, self.loaded, self.sampling)
+                self._served = (proxy, *await _serve(proxy.app()))
+        return self._served[0], self._served[1]
+
+    async def stop(self) -> None:
+        """Stops the server if it runs on this loop (one on a finished loop is gone with it)."""
+        served, self._served = self._served, None
+        if served is not None:
+            served[2].should_exit = True
+            if not served[3].done() and served[3].get_loop() is asyncio.get_running_loop():
+                await served[3]
+
+
+async def _serve(app: Any) -> tuple[str, Any, asyncio.Task]:
     """`app` under uvicorn as a task of the running loop, on a free loopback port: (URL, server, task)."""
     import socket
 
     import uvicorn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     class Quiet(uvicorn.Server):
         def capture_signals(self) -> Any:  # the loop's owner (the trainer) keeps its signal handlers
             return contextlib.nullcontext()
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     server = Quiet(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve())
     while not server.started:

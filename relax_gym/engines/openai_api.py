@@ -10,6 +10,7 @@ Images arrive as `image_url` parts holding data URLs (never fetched from a URL).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -126,7 +127,8 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
     calls = [{"id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
               "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
              for call in turn.calls]
-    reply: dict[str, Any] = {"role": "assistant", "content": turn.content if calls else _visible(loaded, body)}
+    visible = turn.content if calls else loaded.decode(body, skip_special_tokens=True)
+    reply: dict[str, Any] = {"role": "assistant", "content": visible}
     if turn.reasoning:
         reply["reasoning_content"] = turn.reasoning
     if calls:
@@ -140,15 +142,9 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
     return choice
 
 
-def _visible(loaded: LoadedModel, ids: list[int]) -> str:
-    return loaded.decode(ids, skip_special_tokens=True)
-
-
 async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatCompletionIn, *,
                           tool_format: ToolCallFormat, decode_image: Any, model_name: str) -> dict[str, Any]:
     """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring)."""
-    import asyncio
-
     messages = to_messages(body, decode_image)
     request = prompt_request(loaded, messages, body)
     requests = [request if body.n == 1 else replace(request, sampling=replace(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -158,12 +157,8 @@ class JudgeReward:
             loop, self._loop = self._loop, None
         if loop is not None:
             if self._client is not None:
-                self._run_on(loop, self._client.aclose())
+                asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=5)
             loop.call_soon_threadsafe(loop.stop)
-
-    @staticmethod
-    def _run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> None:
-        asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=5)
 
 
 _shared: dict[str, JudgeReward] = {}

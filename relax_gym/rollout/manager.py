@@ -126,10 +126,8 @@ class RolloutManager:
         self.sampling_seed = sampling_seed
         #: a group's episodes share their prompt's render (see `PromptCache`)
         self.prompts = PromptCache()
-        #: the agent proxy, its URL and server, started on the loop by the first agent episode
-        self.agent_proxy: Any = None
-        self._agent_server: tuple[str, Any, asyncio.Task] | None = None
-        self._agent_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        #: the agent proxy's server (`relax_gym.agents.proxy.ProxyServer`), made by the first agent episode
+        self.agent_server: Any = None
         #: with `routed_experts`, the model's experts per token (what shapes the engine's flat routes)
         self.routes_top_k: int | None = None
         if routed_experts:
@@ -216,12 +214,8 @@ class RolloutManager:
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-        if self._agent_server is not None:  # the agent proxy, if an agent episode started it on this loop
-            _, server, task = self._agent_server
-            self._agent_server = None
-            server.should_exit = True
-            if not task.done() and task.get_loop() is asyncio.get_running_loop():
-                await task
+        if self.agent_server is not None:
+            await self.agent_server.stop()
 
 
 class _Episode:
