@@ -4,18 +4,26 @@ With a scripted policy that calls the weather tool and then answers, the example
 the trained tokens are exactly what the engine generated, the tool result and the glue around it are masked,
 and the agent's reward is the trajectory's. An agent that rewrites its history makes a second chain; one that
 raises fails its episode with why. The example registers, passes `relax-gym check`, rolls out and trains.
+A vision agent's data-URL images reach the processor; a MoE agent's samples keep their routed experts, and a
+seeded run's agent episodes repeat themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from engine_support import EndsEachTurn
+from PIL import Image
 
 from relax_gym.agents import AgentEnv
 from relax_gym.cli import main
+from relax_gym.engines import EmbeddedEngine, SamplingParams
 from relax_gym.engines.scripted import ScriptedEngine
 from relax_gym.models import load_model
 from relax_gym.registration import register
@@ -38,8 +46,8 @@ def example():
     return namespace
 
 
-def _run(loaded, engine, env_id: str, n: int = 2, group: int = 2):
-    manager = RolloutManager(engine, loaded, limits=RolloutLimits(episode_timeout_s=60))
+def _run(loaded, engine, env_id: str, n: int = 2, group: int = 2, **manager_kwargs):
+    manager = RolloutManager(engine, loaded, limits=RolloutLimits(episode_timeout_s=60), **manager_kwargs)
 
     async def go():
         try:
@@ -126,3 +134,75 @@ def test_an_agent_can_stream_and_list_models_and_is_refused_n_above_one(tiny):
     register("test/Streaming-v0", lambda: AgentEnv(streaming, tasks=["t"]))
     [traj] = _run(tiny, ScriptedEngine(tiny, ["streamed"]), "test/Streaming-v0", n=1, group=1)
     assert traj.status == "completed" and traj.reward == 1.0 and traj.metrics["agent_calls"] == 1  # n=2: refused
+
+
+def _data_url(color: str, size: tuple[int, int] = (64, 48)) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def _two_calls(client, first: list, second: list) -> float:
+    """Asks, then continues the conversation with the reply it got and another user turn: one chain."""
+    messages = [{"role": "user", "content": first}]
+    reply = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": second}]
+    await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    return 1.0
+
+
+def test_a_vision_agent_sends_images_as_data_urls_and_a_text_model_or_a_url_is_refused_with_why(tiny):
+    vl = load_model("tiny-vl")
+
+    async def looks(client, task):
+        return await _two_calls(client, [{"type": "image_url", "image_url": {"url": _data_url("red")}},
+                                         {"type": "text", "text": "Which colour?"}],
+                                [{"type": "text", "text": "And this one?"},
+                                 {"type": "image_url", "image_url": {"url": _data_url("blue", (32, 32))}}])
+
+    async def fetches(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}]}])
+        return 1.0
+
+    register("test/Looks-v0", lambda: AgentEnv(looks, tasks=["t"]))
+    register("test/Fetches-v0", lambda: AgentEnv(fetches, tasks=["t"]))
+    end = vl.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    [traj] = _run(vl, EndsEachTurn(EmbeddedEngine(vl), end), "test/Looks-v0", n=1, group=1)
+    assert traj.status == "completed", traj.status_reason
+    assert traj.metrics["agent_chains"] == 1 and traj.metrics["turns"] == 2
+    assert [im.size for im in traj.media] == [(64, 48), (32, 32)]
+    assert traj.mm_inputs["image_grid_thw"].shape[0] == 2  # both images reached the processor, in turn order
+    [refused] = _run(vl, ScriptedEngine(vl, ["x"]), "test/Fetches-v0", n=1, group=1)
+    assert refused.status == "failed" and "only inline media are taken" in refused.status_reason
+    [text_only] = _run(tiny, ScriptedEngine(tiny, ["x"]), "test/Looks-v0", n=1, group=1)
+    assert text_only.status == "failed" and "BadRequestError" in text_only.status_reason
+    assert "'tiny' takes text only" in text_only.status_reason and "test_agents.py" in text_only.status_reason
+
+
+def test_a_moe_agent_keeps_each_chains_routes_and_a_seeded_run_repeats_itself():
+    moe = load_model("tiny-moe")
+    config = moe.model.config
+    end = moe.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def chats(client, task):
+        return await _two_calls(client, "Say a number.", "Another one.")
+
+    register("test/Chats-v0", lambda: AgentEnv(chats, tasks=["a", "b"]))
+    runs = []
+    for _ in range(2):
+        engine = EndsEachTurn(EmbeddedEngine(moe), end)
+        trajs = _run(moe, engine, "test/Chats-v0", n=1, group=2, routed_experts=True, sampling_seed=5,
+                     sampling=SamplingParams(max_new_tokens=6, temperature=1.0))
+        runs.append(trajs)
+        for traj in trajs:
+            assert traj.status == "completed" and traj.metrics["agent_chains"] == 1, traj.status_reason
+            request, out = next((r, o) for r, o in reversed(engine.requests)
+                                if r.input_ids == traj.token_ids[: len(r.input_ids)])
+            assert request.return_routed_experts and request.sampling.seed is not None
+            assert traj.routed_experts.shape == (len(traj.token_ids) - 1, config.num_hidden_layers,
+                                                 config.num_experts_per_tok)
+            assert np.array_equal(traj.routed_experts.reshape(-1), out.routed_experts)
+    assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
+    assert runs[0][0].token_ids != runs[0][1].token_ids  # the two members of a group draw different samples

@@ -23,10 +23,11 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
     import openai
 
     if manager.agent_server is None:
-        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling)
+        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling,
+                                           routes_top_k=manager.routes_top_k)
     proxy, url = await manager.agent_server.get()
     task = env.draw_task(seed)
-    sid = proxy.open()
+    sid = proxy.open(None if manager.sampling_seed is None else (manager.sampling_seed, seed, member, "agent"))
     client = openai.AsyncOpenAI(base_url=f"{url}/s/{sid}/v1", api_key=proxy.api_key, max_retries=0,
                                 timeout=manager.limits.episode_timeout_s)
     status: Status = "completed"
@@ -41,7 +42,9 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
     except TimeoutError:
         status, reason = "aborted", f"agent timed out after {manager.limits.episode_timeout_s}s"
     except Exception as err:
-        frame = traceback.extract_tb(err.__traceback__)[-1]
+        frames = traceback.extract_tb(err.__traceback__)
+        # the agent's own line that raised, not the openai package's
+        frame = next((f for f in reversed(frames) if "site-packages" not in f.filename), frames[-1])
         status, reason = "failed", f"agent raised {type(err).__name__}: {err} ({frame.filename}:{frame.lineno})"
     finally:
         session = proxy.close(sid)
@@ -62,12 +65,13 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
 
 def _trajectory(session: AgentSession, index: int, env_id: str, group_id: str, seed: int, task: Any,
                 reward: float, status: Status, reason: str, metrics: dict[str, Any]) -> Trajectory:
-    conv = session.chains[index].conv
+    chain = session.chains[index]
+    conv = chain.conv
     traj = Trajectory(
         token_ids=conv.token_ids, prompt_len=conv.prompt_len, loss_mask=conv.loss_mask,
         rollout_logprobs=conv.logprobs, versions=conv.versions, reward=reward, step_rewards=[reward],
         status=status, status_reason=reason, group_id=group_id, env_id=env_id, task=task_text(task)[:500],
-        segments=conv.segments, media=conv.media, mm_inputs=conv.mm_inputs(),
+        segments=conv.segments, media=conv.media, mm_inputs=conv.mm_inputs(), routed_experts=chain.routes,
         metrics={**metrics, "turns": conv.turns, "agent_chain": index}, seed=seed,
     )
     traj.check()

@@ -13,7 +13,10 @@ tools) starts another chain; each chain becomes its own sample, and the episode 
 
 Sampling is the run's (temperature, top-p, top-k): the trainer's logprobs are taken at the rollout's
 temperature, so an agent's own `temperature` is not used; its `max_tokens` (capped by the run's) and `stop`
-are. `n` must be 1 (one reply continues an episode).
+are. `n` must be 1 (one reply continues an episode). A run with a sampling seed seeds each call from (that
+seed, the task, the member of its group, the call), as it seeds an env episode's turns; otherwise an agent's
+own `seed` is used. Images come as `image_url` data URLs, bounded as `relax-gym serve` bounds them. With
+routing replay on, each call asks the engine for its routed experts and a chain keeps its last call's.
 """
 
 from __future__ import annotations
@@ -25,9 +28,15 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relax_gym.engines.base import Engine, RequestError, SamplingParams
+import numpy as np
+from PIL import Image
+
+from relax_gym.engines.base import Engine, RequestError, SamplingParams, request_seed
 from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, offered_tools, stream_events, to_messages
+from relax_gym.engines.server_limits import ServerLimits
+from relax_gym.engines.server_media import MediaError, decode_image
 from relax_gym.models import LoadedModel
+from relax_gym.models.moe_routing import shaped_routes
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
 
@@ -40,6 +49,8 @@ class Chain:
     request: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     reply: dict[str, Any] | None = None
+    #: with routing replay, the last call's routed experts: [tokens, layers, top_k]
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -48,6 +59,8 @@ class AgentSession:
 
     chains: list[Chain] = field(default_factory=list)
     calls: int = 0
+    #: what seeds each call with the call's number: (the run's sampling seed, task seed, member), or None
+    seed_key: tuple[Any, ...] | None = None
     #: the last call's failure, if a call failed (the episode reports it)
     error: str = ""
 
@@ -80,16 +93,19 @@ def _same_reply(sent: dict[str, Any], ours: dict[str, Any] | None) -> bool:
 class AgentProxy:
     """Chat completions for agent sessions over `engine` (see the module docstring); serve it with `app()`."""
 
-    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams):
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, *,
+                 routes_top_k: int | None = None):
+        """`routes_top_k`: ask every call for its routed experts (routing replay), `top_k` per token."""
         self.engine, self.loaded, self.sampling = engine, loaded, sampling
+        self.routes_top_k = routes_top_k
         self.tool_format = tool_format_of(loaded)
         self.eos_ids = loaded.stop_token_ids()
         self.sessions: dict[str, AgentSession] = {}
         self.api_key = secrets.token_urlsafe(24)
 
-    def open(self) -> str:
+    def open(self, seed_key: tuple[Any, ...] | None = None) -> str:
         sid = secrets.token_urlsafe(12)
-        self.sessions[sid] = AgentSession()
+        self.sessions[sid] = AgentSession(seed_key=seed_key)
         return sid
 
     def close(self, sid: str) -> AgentSession:
@@ -102,10 +118,10 @@ class AgentProxy:
             if (tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
                     and _same_reply(sent[known], chain.reply)
                     and all(m.get("role") != "assistant" for m in sent[known + 1:])):
-                chain.conv.append_observation(to_messages(replace_messages(body, sent[known + 1:]), _no_images))
+                chain.conv.append_observation(to_messages(replace_messages(body, sent[known + 1:]), _image))
                 chain.request = sent
                 return chain
-        conv = ConversationTokens.start(self.loaded, to_messages(body, _no_images), tools)
+        conv = ConversationTokens.start(self.loaded, to_messages(body, _image), tools)
         chain = Chain(conv, sent, tools)
         session.chains.append(chain)
         return chain
@@ -118,13 +134,24 @@ class AgentProxy:
         if body.n != 1:
             raise RequestError("n must be 1 in a training episode: one reply continues it")
         session.calls += 1
-        chain = self._chain(session, body)
+        try:
+            chain = self._chain(session, body)
+        except ValueError as err:  # messages the policy cannot take (an image for a text model, a bad template)
+            raise RequestError(str(err)) from None
         limit = min(body.max_completion_tokens or body.max_tokens or self.sampling.max_new_tokens,
                     self.sampling.max_new_tokens)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        sampling = replace(self.sampling, max_new_tokens=limit, stop=stop or self.sampling.stop)
-        request = chain.conv.request(sampling, f"agent/{sid}/{session.calls}")
+        seed = body.seed if session.seed_key is None else request_seed(*session.seed_key, session.calls)
+        sampling = replace(self.sampling, max_new_tokens=limit, stop=stop or self.sampling.stop, seed=seed)
+        request = chain.conv.request(sampling, f"agent/{sid}/{session.calls}",
+                                     return_routed_experts=self.routes_top_k is not None)
         out = await self.engine.generate(request)
+        if self.routes_top_k is not None:
+            if out.routed_experts is None:
+                raise RuntimeError("engine: no routed experts in its answer (an SGLang server needs "
+                                   "--enable-return-routed-experts)")
+            chain.routes = shaped_routes(out.routed_experts, len(request.input_ids) + len(out.output_ids) - 1,
+                                         self.routes_top_k)
         chain.conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
         choice = choice_of(self.loaded, out, 0, self.tool_format, self.eos_ids, body.logprobs)
         chain.reply = choice["message"]
@@ -177,16 +204,21 @@ def replace_messages(body: ChatCompletionIn, messages: list[dict[str, Any]]) -> 
     return body.model_copy(update={"messages": [type(body.messages[0]).model_validate(m) for m in messages]})
 
 
-def _no_images(url: str, where: str) -> Any:
-    raise RequestError(f"{where}: images in agent calls are not taken yet (send text)")
+def _image(url: str, where: str) -> Image.Image:
+    """An `image_url` part's image: a data URL, bounded as `relax-gym serve` bounds it."""
+    try:
+        return decode_image(url, where, max_pixels=ServerLimits().max_image_pixels)
+    except MediaError as err:
+        raise RequestError(str(err)) from None
 
 
 class ProxyServer:
     """A rollout manager's agent proxy, served on the manager's loop by its first agent episode (the episodes of a
     group arrive together: the first starts it while the others wait), and again on a later loop."""
 
-    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams):
-        self.engine, self.loaded, self.sampling = engine, loaded, sampling
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, *,
+                 routes_top_k: int | None = None):
+        self.engine, self.loaded, self.sampling, self.routes_top_k = engine, loaded, sampling, routes_top_k
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # a lock belongs to one loop
         self._served: tuple[AgentProxy, str, Any, asyncio.Task] | None = None
 
@@ -197,7 +229,7 @@ class ProxyServer:
             self._lock = (loop, asyncio.Lock())
         async with self._lock[1]:
             if self._served is None or self._served[3].done() or self._served[3].get_loop() is not loop:
-                proxy = AgentProxy(self.engine, self.loaded, self.sampling)
+                proxy = AgentProxy(self.engine, self.loaded, self.sampling, routes_top_k=self.routes_top_k)
                 self._served = (proxy, *await _serve(proxy.app()))
         return self._served[0], self._served[1]
 

@@ -8,6 +8,7 @@ report the policy version of the weights that produced the tokens.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from dataclasses import dataclass, field
@@ -49,6 +50,13 @@ class EngineGoneError(EngineUnavailableError):
 #: seeds as every engine takes them: SGLang 0.5.6's sampler holds `sampling_seed` in an int32, so the rollout
 #: manager draws 31-bit seeds and the SGLang client sends the low 31 bits of any other
 SGLANG_SEED_MASK = 2**31 - 1
+
+
+def request_seed(*key: object) -> int:
+    """A 31-bit request seed drawn from `key` (a run's sampling seed, a task seed, a member of its group, a turn),
+    so a run's samples depend on which request it is, never on request timing or batching."""
+    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest) & SGLANG_SEED_MASK
 
 
 @dataclass(frozen=True)

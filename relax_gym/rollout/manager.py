@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,13 +22,13 @@ import numpy as np
 from relax_gym.agents.agent_env import AgentEnv
 from relax_gym.core import Env
 from relax_gym.engines.base import (
-    SGLANG_SEED_MASK,
     Engine,
     EngineError,
     EngineUnavailableError,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
+    request_seed,
 )
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
@@ -275,11 +274,8 @@ class _Episode:
             if budget < sampling.max_new_tokens:
                 sampling = replace(sampling, max_new_tokens=budget)
             if m.sampling_seed is not None:
-                key = f"{m.sampling_seed}/{self.seed}/{self.member}/{self.conv.turns}".encode()
-                # 31 bits: what every engine takes as it is (SGLang 0.5.6 holds the seed in an int32), so an
-                # in-process engine and a served one sample the same tokens
-                seed = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest()) & SGLANG_SEED_MASK
-                sampling = replace(sampling, seed=seed)
+                sampling = replace(sampling, seed=request_seed(m.sampling_seed, self.seed, self.member,
+                                                               self.conv.turns))
             request = self.conv.request(sampling, f"{self.group_id}/{self.member}/{self.conv.turns}",
                                         return_routed_experts=m.routes_top_k is not None)
             start = time.perf_counter()
