@@ -5,7 +5,8 @@ the trained tokens are exactly what the engine generated, the tool result and th
 and the agent's reward is the trajectory's. An agent that rewrites its history makes a second chain; one that
 raises fails its episode with why. The example registers, passes `relax-gym check`, rolls out and trains.
 A vision agent's data-URL images reach the processor; a MoE agent's samples keep their routed experts, and a
-seeded run's agent episodes repeat themselves.
+seeded run's agent episodes repeat themselves. An agent that never stops is ended `truncated` by the run's
+turn and token limits.
 """
 
 from __future__ import annotations
@@ -206,3 +207,34 @@ def test_a_moe_agent_keeps_each_chains_routes_and_a_seeded_run_repeats_itself():
             assert np.array_equal(traj.routed_experts.reshape(-1), out.routed_experts)
     assert [t.token_ids for t in runs[0]] == [t.token_ids for t in runs[1]]
     assert runs[0][0].token_ids != runs[0][1].token_ids  # the two members of a group draw different samples
+
+
+def test_the_runs_turn_and_token_limits_end_an_endless_agent_as_truncated(tiny):
+    async def endless(client, task):
+        messages = [{"role": "user", "content": "Count."}]
+        while True:  # until the proxy refuses a call
+            reply = await client.chat.completions.create(model="p", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": "More."}]
+
+    register("test/Endless-v0", lambda: AgentEnv(endless, tasks=["t"]))
+    engine = ScriptedEngine(tiny, lambda turn: "one two three")
+    manager = RolloutManager(engine, tiny, sampling=SamplingParams(max_new_tokens=8),
+                             limits=RolloutLimits(max_turns=3, max_total_tokens=4096, episode_timeout_s=60))
+    [by_turns] = asyncio.run(manager.run("test/Endless-v0", 1))
+    assert (by_turns.status, by_turns.status_reason, by_turns.metrics["turns"]) == ("truncated", "max_turns", 3)
+    assert by_turns.metrics["agent_calls"] == 4  # the fourth was refused
+    prompt = len(asyncio.run(_first_prompt(tiny)))
+    manager = RolloutManager(engine, tiny, sampling=SamplingParams(max_new_tokens=8),
+                             limits=RolloutLimits(max_turns=8, max_total_tokens=prompt + 3, episode_timeout_s=60))
+    [by_tokens] = asyncio.run(manager.run("test/Endless-v0", 1))
+    assert (by_tokens.status, by_tokens.status_reason) == ("truncated", "token_budget")
+    assert sum(by_tokens.loss_mask) == 3  # the reply was cut where the budget ends; the next call was refused
+    assert by_tokens.metrics["agent_calls"] == 2 and by_tokens.metrics["turns"] == 1
+
+
+async def _first_prompt(loaded) -> list[int]:
+    from relax_gym.messages import text
+    from relax_gym.rollout.tokens import ConversationTokens
+
+    return ConversationTokens.start(loaded, [{"role": "user", "content": [text("Count.")]}], None).token_ids

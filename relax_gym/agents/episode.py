@@ -23,7 +23,7 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
     import openai
 
     if manager.agent_server is None:
-        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling,
+        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling, manager.limits,
                                            routes_top_k=manager.routes_top_k)
     proxy, url = await manager.agent_server.get()
     task = env.draw_task(seed)
@@ -53,6 +53,8 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
         status, reason = "failed", "the agent made no model call"
     if session.error and status == "completed":
         reason = f"a model call failed: {session.error}"
+    if session.truncated and status != "aborted":  # the run's limit ended it, whatever the agent did then
+        status, reason = "truncated", session.truncated
     metrics: dict[str, Any] = {"agent_s": round(time.perf_counter() - started, 6), "agent_calls": session.calls,
                                "agent_chains": len(session.chains)}
     if detail and detail.get("status") != "ok":

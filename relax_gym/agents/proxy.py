@@ -15,8 +15,11 @@ Sampling is the run's (temperature, top-p, top-k): the trainer's logprobs are ta
 temperature, so an agent's own `temperature` is not used; its `max_tokens` (capped by the run's) and `stop`
 are. `n` must be 1 (one reply continues an episode). A run with a sampling seed seeds each call from (that
 seed, the task, the member of its group, the call), as it seeds an env episode's turns; otherwise an agent's
-own `seed` is used. Images come as `image_url` data URLs, bounded as `relax-gym serve` bounds them. With
-routing replay on, each call asks the engine for its routed experts and a chain keeps its last call's.
+own `seed` is used. The run's limits hold per chain: a call may generate no more than the tokens left of
+`max_total_tokens`, and once those or `max_turns` are spent a call is refused (400) and the episode ends
+`truncated` with that reason, as an env episode would, whatever the agent does next. Images come as
+`image_url` data URLs, bounded as `relax-gym serve` bounds them. With routing replay on, each call asks the
+engine for its routed experts and a chain keeps its last call's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_image
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import shaped_routes
+from relax_gym.rollout.manager import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
 
@@ -61,6 +65,8 @@ class AgentSession:
     calls: int = 0
     #: what seeds each call with the call's number: (the run's sampling seed, task seed, member), or None
     seed_key: tuple[Any, ...] | None = None
+    #: the run's limit that ended the episode (`token_budget`, `max_turns`), if one did
+    truncated: str = ""
     #: the last call's failure, if a call failed (the episode reports it)
     error: str = ""
 
@@ -93,10 +99,10 @@ def _same_reply(sent: dict[str, Any], ours: dict[str, Any] | None) -> bool:
 class AgentProxy:
     """Chat completions for agent sessions over `engine` (see the module docstring); serve it with `app()`."""
 
-    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, *,
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, limits: RolloutLimits, *,
                  routes_top_k: int | None = None):
         """`routes_top_k`: ask every call for its routed experts (routing replay), `top_k` per token."""
-        self.engine, self.loaded, self.sampling = engine, loaded, sampling
+        self.engine, self.loaded, self.sampling, self.limits = engine, loaded, sampling, limits
         self.routes_top_k = routes_top_k
         self.tool_format = tool_format_of(loaded)
         self.eos_ids = loaded.stop_token_ids()
@@ -138,8 +144,14 @@ class AgentProxy:
             chain = self._chain(session, body)
         except ValueError as err:  # messages the policy cannot take (an image for a text model, a bad template)
             raise RequestError(str(err)) from None
+        budget = self.limits.max_total_tokens - len(chain.conv.token_ids)
+        if budget <= 0 or chain.conv.turns >= self.limits.max_turns:
+            spent = (f"max_total_tokens ({self.limits.max_total_tokens})" if budget <= 0
+                     else f"max_turns ({self.limits.max_turns})")
+            session.truncated = session.truncated or ("token_budget" if budget <= 0 else "max_turns")
+            raise RequestError(f"the episode's {spent} is spent: no more calls in this training episode")
         limit = min(body.max_completion_tokens or body.max_tokens or self.sampling.max_new_tokens,
-                    self.sampling.max_new_tokens)
+                    self.sampling.max_new_tokens, budget)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         seed = body.seed if session.seed_key is None else request_seed(*session.seed_key, session.calls)
         sampling = replace(self.sampling, max_new_tokens=limit, stop=stop or self.sampling.stop, seed=seed)
@@ -153,6 +165,8 @@ class AgentProxy:
             chain.routes = shaped_routes(out.routed_experts, len(request.input_ids) + len(out.output_ids) - 1,
                                          self.routes_top_k)
         chain.conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
+        if out.finish_reason == "length" and limit == budget:  # the reply was cut where the budget ends
+            session.truncated = session.truncated or "token_budget"
         choice = choice_of(self.loaded, out, 0, self.tool_format, self.eos_ids, body.logprobs)
         chain.reply = choice["message"]
         return {"id": f"chatcmpl-{sid}-{session.calls}", "object": "chat.completion", "created": 0,
@@ -216,9 +230,10 @@ class ProxyServer:
     """A rollout manager's agent proxy, served on the manager's loop by its first agent episode (the episodes of a
     group arrive together: the first starts it while the others wait), and again on a later loop."""
 
-    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, *,
+    def __init__(self, engine: Engine, loaded: LoadedModel, sampling: SamplingParams, limits: RolloutLimits, *,
                  routes_top_k: int | None = None):
-        self.engine, self.loaded, self.sampling, self.routes_top_k = engine, loaded, sampling, routes_top_k
+        self.engine, self.loaded, self.sampling, self.limits = engine, loaded, sampling, limits
+        self.routes_top_k = routes_top_k
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # a lock belongs to one loop
         self._served: tuple[AgentProxy, str, Any, asyncio.Task] | None = None
 
@@ -229,7 +244,8 @@ class ProxyServer:
             self._lock = (loop, asyncio.Lock())
         async with self._lock[1]:
             if self._served is None or self._served[3].done() or self._served[3].get_loop() is not loop:
-                proxy = AgentProxy(self.engine, self.loaded, self.sampling, routes_top_k=self.routes_top_k)
+                proxy = AgentProxy(self.engine, self.loaded, self.sampling, self.limits,
+                                   routes_top_k=self.routes_top_k)
                 self._served = (proxy, *await _serve(proxy.app()))
         return self._served[0], self._served[1]
 
