@@ -217,13 +217,20 @@ def test_the_runs_turn_and_token_limits_end_an_endless_agent_as_truncated(tiny):
             messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                          {"role": "user", "content": "More."}]
 
+    async def amnesiac(client, task):
+        while True:  # a fresh conversation every call: a new chain each time
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Count."}])
+
     register("test/Endless-v0", lambda: AgentEnv(endless, tasks=["t"]))
+    register("test/Amnesiac-v0", lambda: AgentEnv(amnesiac, tasks=["t"]))
     engine = ScriptedEngine(tiny, lambda turn: "one two three")
     manager = RolloutManager(engine, tiny, sampling=SamplingParams(max_new_tokens=8),
                              limits=RolloutLimits(max_turns=3, max_total_tokens=4096, episode_timeout_s=60))
     [by_turns] = asyncio.run(manager.run("test/Endless-v0", 1))
     assert (by_turns.status, by_turns.status_reason, by_turns.metrics["turns"]) == ("truncated", "max_turns", 3)
     assert by_turns.metrics["agent_calls"] == 4  # the fourth was refused
+    chains = asyncio.run(manager.run("test/Amnesiac-v0", 1))  # max_turns counts the calls of every chain
+    assert len(chains) == 3 and all(t.metrics["turns"] == 1 and t.status == "truncated" for t in chains)
     prompt = len(asyncio.run(_first_prompt(tiny)))
     manager = RolloutManager(engine, tiny, sampling=SamplingParams(max_new_tokens=8),
                              limits=RolloutLimits(max_turns=8, max_total_tokens=prompt + 3, episode_timeout_s=60))

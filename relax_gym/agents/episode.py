@@ -9,7 +9,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from relax_gym.agents.agent_env import AgentEnv, task_text
-from relax_gym.agents.proxy import AgentSession, ProxyServer
+from relax_gym.agents.proxy import Chain, ProxyServer
 from relax_gym.rewards import RewardResult
 from relax_gym.trajectory import Status, Trajectory
 
@@ -49,25 +49,25 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
     finally:
         session = proxy.close(sid)
         await client.close()
-    if not session.chains and status == "completed":
+    chains = [c for c in session.chains if c.conv.turns]  # a chain whose only call failed or was refused: no sample
+    if not chains and status == "completed":
         status, reason = "failed", "the agent made no model call"
     if session.error and status == "completed":
         reason = f"a model call failed: {session.error}"
     if session.truncated and status != "aborted":  # the run's limit ended it, whatever the agent did then
         status, reason = "truncated", session.truncated
     metrics: dict[str, Any] = {"agent_s": round(time.perf_counter() - started, 6), "agent_calls": session.calls,
-                               "agent_chains": len(session.chains)}
+                               "agent_chains": len(chains)}
     if detail and detail.get("status") != "ok":
         metrics["reward_status"] = detail["status"]
-    if not session.chains:
+    if not chains:
         return [_empty(env_id, group_id, seed, task, status, reason, metrics)]
-    return [_trajectory(session, i, env_id, group_id, seed, task, reward, status, reason, metrics)
-            for i in range(len(session.chains))]
+    return [_trajectory(chain, i, env_id, group_id, seed, task, reward, status, reason, metrics)
+            for i, chain in enumerate(chains)]
 
 
-def _trajectory(session: AgentSession, index: int, env_id: str, group_id: str, seed: int, task: Any,
+def _trajectory(chain: Chain, index: int, env_id: str, group_id: str, seed: int, task: Any,
                 reward: float, status: Status, reason: str, metrics: dict[str, Any]) -> Trajectory:
-    chain = session.chains[index]
     conv = chain.conv
     traj = Trajectory(
         token_ids=conv.token_ids, prompt_len=conv.prompt_len, loss_mask=conv.loss_mask,

@@ -12,14 +12,14 @@ the model's tokens only. A call that does not continue an earlier one (the agent
 tools) starts another chain; each chain becomes its own sample, and the episode says how many it made.
 
 Sampling is the run's (temperature, top-p, top-k): the trainer's logprobs are taken at the rollout's
-temperature, so an agent's own `temperature` is not used; its `max_tokens` (capped by the run's) and `stop`
-are. `n` must be 1 (one reply continues an episode). A run with a sampling seed seeds each call from (that
-seed, the task, the member of its group, the call), as it seeds an env episode's turns; otherwise an agent's
-own `seed` is used. The run's limits hold per chain: a call may generate no more than the tokens left of
-`max_total_tokens`, and once those or `max_turns` are spent a call is refused (400) and the episode ends
-`truncated` with that reason, as an env episode would, whatever the agent does next. Images come as
-`image_url` data URLs, bounded as `relax-gym serve` bounds them. With routing replay on, each call asks the
-engine for its routed experts and a chain keeps its last call's.
+temperature, so an agent's own `temperature` is not used; its `max_tokens` (capped by the run's) and `stop` are.
+`n` must be 1 (one reply continues an episode). A run with a sampling seed seeds each call from (that seed, the
+task, the member of its group, the call), as it seeds an env episode's turns; otherwise an agent's own `seed` is
+used. The run's limits hold: a call may generate no more than the tokens its chain has left of
+`max_total_tokens`, an episode makes at most `max_turns` calls over all its chains, and past either a call is
+refused (400) and the episode ends `truncated` with that reason, as an env episode would, whatever the agent
+does next. Images come as `image_url` data URLs, bounded as `relax-gym serve` bounds them. With routing replay
+on, each call asks the engine for its routed experts and a chain keeps its last call's.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class AgentProxy:
         except ValueError as err:  # messages the policy cannot take (an image for a text model, a bad template)
             raise RequestError(str(err)) from None
         budget = self.limits.max_total_tokens - len(chain.conv.token_ids)
-        if budget <= 0 or chain.conv.turns >= self.limits.max_turns:
+        if budget <= 0 or sum(c.conv.turns for c in session.chains) >= self.limits.max_turns:
             spent = (f"max_total_tokens ({self.limits.max_total_tokens})" if budget <= 0
                      else f"max_turns ({self.limits.max_turns})")
             session.truncated = session.truncated or ("token_budget" if budget <= 0 else "max_turns")
