@@ -5,8 +5,12 @@ such, never a silent 0."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -152,7 +156,8 @@ def test_a_config_trains_on_a_served_judges_scores_and_a_dead_judge_stops_the_ru
     """The warm-started policy answers in a few tokens, so its episodes complete and the judge grades them. The
     judge is a second tiny model served by `relax-gym serve`'s app: the same warm start, which answers any prompt
     with digits, so the test reads its first digit as the score (pattern, max_score): the plumbing is the point.
-    A judge that never answers makes every reward `timeout` and stops the run with that, not training on zeros."""
+    A judge that never answers makes every reward `timeout` and stops the run with that, not training on zeros
+(one that is not there at all, or refuses the key, stops it at start-up: the next test)."""
     judge_model = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "checkpoints" /
                                  "tiny-arithmetic"))
     with serving(judge_model) as (url, _):
@@ -160,12 +165,65 @@ def test_a_config_trains_on_a_served_judges_scores_and_a_dead_judge_stops_the_ru
         assert _judged_run(tmp_path / "ok", scored) == 0
     steps = [json.loads(line) for line in (tmp_path / "ok" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and any(s["reward_mean"] > 0 for s in steps)
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    try:
-        dead = {"url": f"http://127.0.0.1:{silent.getsockname()[1]}", "timeout_s": 0.3, "retries": 0}
+    with _lists_models_never_judges() as url:
+        dead = {"url": url, "timeout_s": 0.3, "retries": 0}
         assert _judged_run(tmp_path / "dead", dead) != 0
-    finally:
-        silent.close()
     assert "no reward of step 1 could be computed ({'timeout': 4}" in capsys.readouterr().out.replace("\n", " ")
+
+
+@contextlib.contextmanager
+def _lists_models_never_judges() -> Iterator[str]:
+    """A server that passes the judge's start-up probe (`/v1/models`) and then never answers a question."""
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"object": "list", "data": []}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            release.wait(30)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_judge_that_refuses_the_key_or_is_not_there_stops_a_run_at_start_up(tmp_path, judge_server, capsys,
+                                                                                monkeypatch):
+    monkeypatch.delenv("RELAX_GYM_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"refused no key \(none given, \$RELAX_GYM_API_KEY unset\): it answered 401"):
+        make("relax/JudgedQA-v0", judge={"url": judge_server, "timeout_s": 5})
+    unkeyed = JudgeReward(judge_server, retries=3)
+    result = unkeyed("What is 2+2?", "4")  # not asked again: a refused key stays refused
+    assert result.status == "error" and "answered 401" in result.detail and "failed" not in result.detail
+    assert _judged_run(tmp_path / "refused", {"url": judge_server, "api_key": "wrong"}) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "refused the key given: it answered 401" in out and "Traceback" not in out
+    with pytest.raises(ValueError, match=r"no judge answers at http://127\.0\.0\.1:9"):
+        make("relax/JudgedQA-v0", judge={"url": "http://127.0.0.1:9", "timeout_s": 5})
+
+
+def test_an_episode_whose_reward_failed_is_left_out_of_its_groups_advantages():
+    from relax_gym.trainer.loop import group_to_samples
+    from relax_gym.trajectory import Trajectory
+
+    def episode(reward: float, **metrics) -> Trajectory:
+        return Trajectory(token_ids=[1, 2, 3], prompt_len=1, loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -0.1, -0.1],
+                          versions=[0, 0, 0], reward=reward, step_rewards=[reward], status="completed",
+                          status_reason="", group_id="g", env_id="e", task="t", metrics=metrics)
+
+    samples = group_to_samples([episode(1.0), episode(0.0), episode(0.0, reward_status="timeout")], False)
+    assert [s.advantage for s in samples] == [0.5, -0.5]  # the unjudged 0 neither counts nor moves the baseline

@@ -101,8 +101,10 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
 
 
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
-    """GRPO-style samples: advantages relative to the group's trainable episodes."""
-    usable = [t for t in group if t.status in TRAINABLE and t.num_generated > 0]
+    """GRPO-style samples: advantages relative to the group's trainable episodes. An episode whose reward could not
+    be computed (a judge's `timeout` or `error`) is left out: its 0 is no judgement of the answer."""
+    usable = [t for t in group if t.status in TRAINABLE and t.num_generated > 0
+              and t.metrics.get("reward_status", "ok") == "ok"]
     if not usable:
         return []
     rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)

@@ -6,7 +6,9 @@ The judge is either any OpenAI-compatible server (`url`: `relax-gym serve`, SGLa
 POST {url}/v1/chat/completions) or an `Engine` in this process with the judge model's `LoadedModel` (its
 chat template renders the prompt). Every call has a timeout and retries with backoff; what the reward says is
 the usual `RewardResult`: `ok` with the score, `timeout` when the judge never answered in time, `error` when
-it failed or its reply held no score, never a silent 0.
+it failed or its reply held no score, never a silent 0. A server that refuses the key (401, 403) is not asked
+again: that does not pass. `probe()` asks a server once, before a run, whether it answers and takes the key
+(`relax/JudgedQA-v0` probes its judge when it is made, so `relax-gym train` and `check` stop at start-up).
 
 Calls from many episodes run concurrently on the judge's own event loop (at most `max_concurrency` at
 once), so a batching judge server (the embedded engine, SGLang) batches them across episodes. A sync call
@@ -25,6 +27,9 @@ import httpx
 
 from relax_gym.rewards.result import RewardResult
 
+#: answers that no retry changes: the key is wrong or missing
+REFUSED = (401, 403)
+
 if TYPE_CHECKING:
     from relax_gym.engines.base import Engine
     from relax_gym.models import LoadedModel
@@ -35,6 +40,10 @@ DEFAULT_TEMPLATE = (
     "end with the score as <score>N</score>."
 )
 DEFAULT_PATTERN = r"<score>\s*(-?\d+(?:\.\d+)?)\s*</score>"
+
+
+class JudgeRefusedError(RuntimeError):
+    """The judge server refused the key: asking again cannot help."""
 
 
 class JudgeReward:
@@ -67,6 +76,8 @@ class JudgeReward:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
+        #: whether `probe()` has passed (envs sharing this judge probe it once)
+        self.probed = False
 
     # --- scoring ---------------------------------------------------------------------------
     def __call__(self, prompt: str, response: str, reference: str = "") -> RewardResult:
@@ -86,6 +97,8 @@ class JudgeReward:
             except TimeoutError:
                 last = "timeout"
                 continue
+            except JudgeRefusedError as err:
+                return RewardResult(0.0, "error", str(err)[:400])
             except Exception as err:  # the judge failed this attempt: retried, then reported
                 last = f"{type(err).__name__}: {err}"
                 continue
@@ -119,6 +132,8 @@ class JudgeReward:
         if self.model_name:
             body["model"] = self.model_name
         answer = await self._client.post(f"{self.url}/v1/chat/completions", json=body)
+        if answer.status_code in REFUSED:
+            raise JudgeRefusedError(self._refused(answer))
         if answer.status_code >= 400:
             raise RuntimeError(f"{self.url} answered {answer.status_code}: {answer.text[:200]}")
         return str(answer.json()["choices"][0]["message"].get("content") or "")
@@ -133,6 +148,26 @@ class JudgeReward:
         out = await self.engine.generate(GenerateRequest(ids, SamplingParams(temperature=self.temperature,
                                                                              max_new_tokens=self.max_tokens)))
         return self.model.decode(out.output_ids, skip_special_tokens=True)
+
+    def probe(self) -> None:
+        """Asks a server's `/v1/models` once: ValueError, naming the URL, when nothing answers there or it refuses
+        the key (an in-process engine, or a server without that route, passes)."""
+        if self.url is None:
+            self.probed = True
+            return
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            answer = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=self.timeout_s)
+        except httpx.HTTPError as err:
+            raise ValueError(f"JudgeReward: no judge answers at {self.url} ({type(err).__name__}: {err})") from None
+        if answer.status_code in REFUSED:
+            raise ValueError(f"JudgeReward: {self._refused(answer)}")
+        self.probed = True
+
+    def _refused(self, answer: httpx.Response) -> str:
+        given = "the key given" if self.api_key else "no key (none given, $RELAX_GYM_API_KEY unset)"
+        return (f"{self.url} refused {given}: it answered {answer.status_code}; set $RELAX_GYM_API_KEY (or the "
+                f"judge's api_key) to the key its server printed")
 
     # --- the judge's event loop ------------------------------------------------------------------
     def _slots_here(self) -> asyncio.Semaphore:
@@ -173,3 +208,4 @@ def shared_judge(**kwargs: Any) -> JudgeReward:
         if key not in _shared:
             _shared[key] = JudgeReward(**kwargs)
         return _shared[key]
+
