@@ -7,7 +7,10 @@ session of the agent proxy, which records the exact tokens for training.
 
     relax-gym check examples/openai_agent.py
     relax-gym rollout --env examples/openai_agent.py --model tiny -n 4 --out agent.jsonl
-    relax-gym train examples/configs/quickstart.yaml envs='[{id: examples/openai_agent.py}]' trainer.total_steps=3
+    relax-gym train examples/configs/quickstart.yaml envs='[{id: examples/openai_agent.py}]' trainer.total_steps=3 \
+        rollout.max_total_tokens=1024 rollout.max_new_tokens=64
+
+(The agent's prompt, with its tool schema, is about 250 tokens: more than the quickstart's budget of 128.)
 """
 
 import json

@@ -238,6 +238,11 @@ def test_the_runs_turn_and_token_limits_end_an_endless_agent_as_truncated(tiny):
     assert (by_tokens.status, by_tokens.status_reason) == ("truncated", "token_budget")
     assert sum(by_tokens.loss_mask) == 3  # the reply was cut where the budget ends; the next call was refused
     assert by_tokens.metrics["agent_calls"] == 2 and by_tokens.metrics["turns"] == 1
+    manager = RolloutManager(engine, tiny, limits=RolloutLimits(max_total_tokens=prompt - 1, episode_timeout_s=60))
+    [too_small] = asyncio.run(manager.run("test/Endless-v0", 1))  # what a run stops on: every episode fails so
+    assert too_small.status == "failed" and too_small.status_reason == (
+        f"prompt over max_total_tokens: the agent's first prompt is {prompt} tokens (chat template and tools "
+        f"included), rollout.max_total_tokens is {prompt - 1}")
 
 
 async def _first_prompt(loaded) -> list[int]:

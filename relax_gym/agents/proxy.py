@@ -44,6 +44,9 @@ from relax_gym.rollout.manager import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
 
+#: the reason kind of an agent episode whose first prompt leaves no room to generate
+PROMPT_OVER_BUDGET = "prompt over max_total_tokens"
+
 
 @dataclass
 class Chain:
@@ -145,7 +148,13 @@ class AgentProxy:
         except ValueError as err:  # messages the policy cannot take (an image for a text model, a bad template)
             raise RequestError(str(err)) from None
         budget = self.limits.max_total_tokens - len(chain.conv.token_ids)
-        if budget <= 0 or sum(c.conv.turns for c in session.chains) >= self.limits.max_turns:
+        turns = sum(c.conv.turns for c in session.chains)
+        if budget <= 0 and not turns:  # the agent's first prompt alone: the run is set up too small for it
+            session.error = (f"{PROMPT_OVER_BUDGET}: the agent's first prompt is {len(chain.conv.token_ids)} tokens "
+                             f"(chat template and tools included), rollout.max_total_tokens is "
+                             f"{self.limits.max_total_tokens}")
+            raise RequestError(session.error)
+        if budget <= 0 or turns >= self.limits.max_turns:
             spent = (f"max_total_tokens ({self.limits.max_total_tokens})" if budget <= 0
                      else f"max_turns ({self.limits.max_turns})")
             session.truncated = session.truncated or ("token_budget" if budget <= 0 else "max_turns")
