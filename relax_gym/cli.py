@@ -180,21 +180,31 @@ def cmd_rollout(args: argparse.Namespace) -> int:
                       f"status {s['status']}", highlight=False)
         console.print(f"  turns {s['turns_mean']:.1f}, tool calls {s['tool_calls_mean']:.1f}, tokens "
                       f"{s['tokens_mean']:.0f} ({s['generated_tokens_mean']:.0f} generated); time generating "
-                      f"{s['generate_s']:.1f} s, in env {s['env_s']:.1f} s", highlight=False)
+                      f"{s['generate_s']:.1f} s, in env {s['env_s']:.1f} s (summed over concurrent episodes)",
+                      highlight=False)
         for label in ("failures", "truncations", "reward_failures"):
             if s[label]:
                 console.print(f"  {label}: {s[label]}", highlight=False)
+        for kind, reason in s["failure_examples"].items():
+            if reason != kind:
+                console.print(f"    e.g. {escape(reason[:300])}", highlight=False, soft_wrap=True)
         if s["truncations"].get("max_new_tokens"):
             console.print(f"  [yellow]{s['truncations']['max_new_tokens']} episodes hit --max-new-tokens before "
                           "ending their turn, so they were not graded (reward 0)[/yellow]", soft_wrap=True)
         if s["rerender_mismatches"]:
-            console.print(f"  [yellow]{s['rerender_mismatches']} trajectories differ from a full re-render "
+            console.print(f"  [yellow]{_count(s['rerender_mismatches'], 'trajectory differs', 'trajectories differ')} "
+                          "from a full re-render "
                           "(see metrics.rerender_first_diff_char)[/yellow]")
         if s["rerender_expected_diffs"]:
-            console.print(f"  {s['rerender_expected_diffs']} trajectories differ from a full re-render, as expected: "
+            console.print(f"  {_count(s['rerender_expected_diffs'], 'trajectory differs', 'trajectories differ')} "
+                          "from a full re-render, as expected: "
                           "the chat template rewrites earlier turns, and the tokens the model saw are kept",
                           highlight=False, soft_wrap=True)
     return 0
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
@@ -225,6 +235,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from relax_gym.errors import StartupError
     from relax_gym.viewer import write_html
 
     decoder = None
@@ -232,7 +245,13 @@ def cmd_view(args: argparse.Namespace) -> int:
         from relax_gym.models import load_model
 
         decoder = load_model(args.model)  # its `decode` is the tokenizer's, typed for one sequence
-    out = write_html(args.jsonl, args.output, tokenizer=decoder)
+    if not Path(args.jsonl).is_file():
+        raise StartupError(f"{args.jsonl}: no such file (a trajectories JSONL from `relax-gym rollout --out` or a "
+                           "run's trajectories.jsonl)")
+    try:
+        out = write_html(args.jsonl, args.output, tokenizer=decoder)
+    except (OSError, ValueError) as err:  # a line that is no trajectory, an unwritable output: one line, exit 2
+        raise StartupError(str(err)) from None
     console.print(f"wrote {out}")
     return 0
 
@@ -375,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("settings", nargs="*", metavar="rollout.KEY=VALUE",
                    help="the rollout section of a training config, as `relax-gym train` takes it, e.g. "
                         "rollout.temperature=0.7 rollout.max_turns=4; applied after the flags")
-    p.add_argument("--env", required=True, help="a registered env id")
+    p.add_argument("--env", required=True,
+                   help="a registered env id, a file.py or module that registers one, or file.py:ID")
     p.add_argument("--model", default="tiny",
                    help="tiny | tiny-moe | tiny-vl | tiny-audio | tiny-omni | a local HF checkpoint folder")
     p.add_argument("-n", type=int, default=8, help="number of tasks")

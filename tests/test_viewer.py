@@ -216,6 +216,22 @@ def test_records_without_segments_or_consistency_still_render(tok):
     assert "the file holds no trajectories" in render_html([])
 
 
+def test_control_characters_in_model_output_show_as_pictures_and_bad_files_are_one_line(tok, tmp_path, capsys):
+    from relax_gym.cli import main
+
+    noisy = build(tok, [("prompt", "question", []), ("policy", f"a\x00b\x07c{IM_END}", [])], reward=0.0,
+                  step_rewards=[])
+    page = render_html([noisy], tokenizer=tok)
+    assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]", page)  # raw, they make the page "binary"
+    assert "\u2400" in page and "\u2407" in page  # per token: NUL and BEL, as pictures
+    assert main(["view", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.html")]) == 2
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["view", str(tmp_path / "metrics.jsonl"), "-o", str(tmp_path / "x.html")]) == 2
+    out = capsys.readouterr().out
+    assert "missing.jsonl: no such file" in out and "metrics.jsonl:1: not a trajectory record" in out
+    assert "Traceback" not in out
+
+
 def test_large_files_start_collapsed(tok):
     many = [build(tok, [("prompt", f"question {i}", []), ("policy", f"answer {i}{IM_END}", [])],
                   reward=float(i % 2), step_rewards=[], env_id=f"relax/E{i % 3}-v0") for i in range(500)]

@@ -47,8 +47,9 @@ class Guard:
             return
         headers = dict(scope["headers"])
         if self._key is not None and scope["path"] not in OPEN_ROUTES and not self._authorized(headers):
-            message = ("missing or wrong API key: send 'Authorization: Bearer <key>' (the key `relax-gym serve` "
-                       f"printed, or {API_KEY_ENV})")
+            message = ("missing or wrong API key: send 'Authorization: Bearer <key>' (the key the server printed "
+                       f"when it started, or the {API_KEY_ENV} it was started with; relax_gym's clients read "
+                       f"${API_KEY_ENV})")
             await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get(b"content-length", b"0")

@@ -27,6 +27,8 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
             "reward_mean": fmean(t.reward for t in trajs),
             "status": dict(Counter(t.status for t in trajs)),
             "failures": dict(Counter(reason_kind(t.status_reason) for t in trajs if t.status in ("failed", "aborted"))),
+            #: one whole reason per kind of failure, for a person to read
+            "failure_examples": _first_by_kind(t.status_reason for t in trajs if t.status in ("failed", "aborted")),
             "truncations": dict(Counter(t.status_reason for t in trajs if t.status == "truncated")),
             "turns_mean": fmean(x.get("turns", 0) for x in m),
             "tool_calls_mean": fmean(x.get("tool_calls", 0) for x in m),
@@ -42,6 +44,13 @@ def summarize(trajectories: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _first_by_kind(reasons: Iterable[str]) -> dict[str, str]:
+    first: dict[str, str] = {}
+    for reason in reasons:
+        first.setdefault(reason_kind(reason), reason)
+    return first
+
+
 def reward_failures(trajectories: Iterable[Trajectory]) -> dict[str, int]:
     """Episodes whose reward could not be computed, by the reward's status (`timeout`, `error`): they score 0
     without being wrong, so a run reports them apart from wrong answers."""
@@ -53,9 +62,8 @@ def status_breakdown(trajectories: Iterable[Trajectory], examples: int = 3) -> s
     trajs = list(trajectories)
     statuses = Counter(t.status for t in trajs)
     reasons = Counter(reason_kind(t.status_reason) for t in trajs if t.status_reason)
-    first: dict[str, str] = {}
-    for t in trajs:
-        first.setdefault(reason_kind(t.status_reason), t.status_reason)
+    first = _first_by_kind(t.status_reason for t in trajs)
     parts = [f"{len(trajs)} episodes: " + ", ".join(f"{n} {s}" for s, n in statuses.most_common())]
-    parts += [f"{n}x {first[k][:200]!r}" for k, n in reasons.most_common(examples)]
+    parts += [f"{n}x {k!r}" + ("" if first[k] == k else f", e.g. {first[k][:200]!r}")
+              for k, n in reasons.most_common(examples)]
     return "; ".join(parts)

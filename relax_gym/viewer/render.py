@@ -92,8 +92,13 @@ class _Detokenizer:
         return out
 
 
+#: control characters (NUL and the like, which a random model writes) as their visible Unicode pictures: raw
+#: in an HTML file they are parse errors, and tools take the page for a binary file
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n\r"} | {0x7F: 0x2421}
+
+
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    return html.escape(str(value).translate(_CONTROL_PICTURES), quote=True)
 
 
 def _num(x: Any) -> str:
