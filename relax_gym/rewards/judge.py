@@ -6,8 +6,8 @@ The judge is either any OpenAI-compatible server (`url`: `relax-gym serve`, SGLa
 POST {url}/v1/chat/completions) or an `Engine` in this process with the judge model's `LoadedModel` (its
 chat template renders the prompt). Every call has a timeout and retries with backoff; what the reward says is
 the usual `RewardResult`: `ok` with the score, `timeout` when the judge never answered in time, `error` when
-it failed or its reply held no score, never a silent 0. A server that refuses the key (401, 403) is not asked
-again: that does not pass. `probe()` asks a server once, before a run, whether it answers and takes the key
+it failed or its reply held no score, never a silent 0. A refused key (401, 403) is reported at once, not
+retried: it would be refused again. `probe()` asks a server once, before a run, whether it answers and takes the key
 (`relax/JudgedQA-v0` probes its judge when it is made, so `relax-gym train` and `check` stop at start-up).
 
 Calls from many episodes run concurrently on the judge's own event loop (at most `max_concurrency` at
@@ -27,12 +27,12 @@ import httpx
 
 from relax_gym.rewards.result import RewardResult
 
-#: answers that no retry changes: the key is wrong or missing
-REFUSED = (401, 403)
-
 if TYPE_CHECKING:
     from relax_gym.engines.base import Engine
     from relax_gym.models import LoadedModel
+
+#: answers that no retry changes: the key is wrong or missing
+REFUSED = (401, 403)
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n{reference}\n\n"
@@ -208,4 +208,3 @@ def shared_judge(**kwargs: Any) -> JudgeReward:
         if key not in _shared:
             _shared[key] = JudgeReward(**kwargs)
         return _shared[key]
-
