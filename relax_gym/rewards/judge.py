@@ -2,13 +2,14 @@
 
 `JudgeReward` fills a prompt template with the question, the answer and (optionally) a reference, asks the
 judge, and parses a score from its reply (`<score>7</score>` by default, out of `max_score`, scaled to 0..1).
-The judge is either any OpenAI-compatible server (`url`: `relax-gym serve`, SGLang, vLLM, a hosted API:
-POST {url}/v1/chat/completions) or an `Engine` in this process with the judge model's `LoadedModel` (its
-chat template renders the prompt). Every call has a timeout and retries with backoff; what the reward says is
-the usual `RewardResult`: `ok` with the score, `timeout` when the judge never answered in time, `error` when
-it failed or its reply held no score, never a silent 0. A refused key (401, 403) is reported at once, not
-retried: it would be refused again. `probe()` asks a server once, before a run, whether it answers and takes the key
-(`relax/JudgedQA-v0` probes its judge when it is made, so `relax-gym train` and `check` stop at start-up).
+The judge is either any OpenAI-compatible server (`url`: `relax-gym serve`, SGLang, vLLM, a hosted API: POST
+{url}/v1/chat/completions) or an `Engine` in this process with the judge model's `LoadedModel` (its chat
+template renders the prompt). Every call has a timeout and retries with backoff; what the reward says is the
+usual `RewardResult`: `ok` with the score, `timeout` when the judge never answered in time, `error` when it
+failed or its reply held no score, never a silent 0. A refused key (401, 403) is reported at once, not
+retried: it would be refused again. `probe()` asks a server once, before a run, whether it answers and takes
+the key (`relax/JudgedQA-v0` probes its judge when it is made, so `relax-gym train` and `check` stop at
+start-up).
 
 Calls from many episodes run concurrently on the judge's own event loop (at most `max_concurrency` at
 once), so a batching judge server (the embedded engine, SGLang) batches them across episodes. A sync call
