@@ -42,6 +42,7 @@ defines it and, in brackets, a shorter path that re-exports it
           RequestError              relax_gym.engines.base [relax_gym.engines]
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
         EpisodeOverError            relax_gym.core [relax_gym]
+        JudgeRefusedError           relax_gym.rewards.judge  (the judge refused the key: not retried)
         PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
         RemoteEnvError              relax_gym.remote_env [relax_gym]  (the env server is unreachable or refused)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
