@@ -39,7 +39,7 @@ from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, offered_to
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_image
 from relax_gym.models import LoadedModel
-from relax_gym.models.moe_routing import shaped_routes
+from relax_gym.models.moe_routing import request_routes
 from relax_gym.rollout.manager import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
@@ -167,12 +167,8 @@ class AgentProxy:
         request = chain.conv.request(sampling, f"agent/{sid}/{session.calls}",
                                      return_routed_experts=self.routes_top_k is not None)
         out = await self.engine.generate(request)
-        if self.routes_top_k is not None:
-            if out.routed_experts is None:
-                raise RuntimeError("engine: no routed experts in its answer (an SGLang server needs "
-                                   "--enable-return-routed-experts)")
-            chain.routes = shaped_routes(out.routed_experts, len(request.input_ids) + len(out.output_ids) - 1,
-                                         self.routes_top_k)
+        if self.routes_top_k is not None:  # ValueError: the call fails (500) saying why
+            chain.routes = request_routes(request, out, self.routes_top_k)
         chain.conv.append_generation(out.output_ids, out.logprobs, out.versions(), self.eos_ids)
         if out.finish_reason == "length" and limit == budget:  # the reply was cut where the budget ends
             session.truncated = session.truncated or "token_budget"

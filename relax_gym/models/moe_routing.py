@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from relax_gym.engines.base import GenerateOutput, GenerateRequest
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -44,6 +47,18 @@ def shaped_routes(flat: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
     if tokens <= 0 or flat.size % (tokens * top_k):
         raise ValueError(f"{flat.size} routed experts do not divide into {tokens} tokens x layers x top_k {top_k}")
     return flat.astype(np.int16).reshape(tokens, -1, top_k)
+
+
+def request_routes(request: GenerateRequest, out: GenerateOutput, top_k: int) -> np.ndarray:
+    """The routed experts an engine's answer `out` carries for every token `request` ran (its prompt and all
+    output tokens but the last), [tokens, layers, top_k]; ValueError saying why when there are none or they
+    do not fit."""
+    if out.routed_experts is None:
+        raise ValueError("no routed experts in its answer (an SGLang server needs --enable-return-routed-experts)")
+    try:
+        return shaped_routes(out.routed_experts, len(request.input_ids) + len(out.output_ids) - 1, top_k)
+    except ValueError as err:
+        raise ValueError(f"routed experts of request {request.rid!r}: {err}") from None
 
 
 def batch_routes(per_row: Sequence[np.ndarray | torch.Tensor | None], width: int, layers: int,

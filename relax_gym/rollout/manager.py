@@ -32,7 +32,7 @@ from relax_gym.engines.base import (
 )
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
-from relax_gym.models.moe_routing import experts_per_token, shaped_routes
+from relax_gym.models.moe_routing import experts_per_token, request_routes
 from relax_gym.registration import make
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import tool_format_of
@@ -320,17 +320,12 @@ class _Episode:
                 self.end("failed", f"could not render the observation: {err}")
 
     def _keep_routes(self, request: GenerateRequest, out: GenerateOutput, top_k: int) -> bool:
-        """Keeps `out`'s routed experts (every token the request ran: the prompt and all output tokens but the
-        last); an engine that gave none, or a number that does not fit, aborts the episode (False)."""
-        if out.routed_experts is None:
-            self.end("aborted", "engine: no routed experts in its answer (an SGLang server needs "
-                     "--enable-return-routed-experts)")
-            return False
-        ran = len(request.input_ids) + len(out.output_ids) - 1
+        """Keeps `out`'s routed experts (`request_routes`); an engine that gave none, or a number that does not
+        fit, aborts the episode (False)."""
         try:
-            self.routes = shaped_routes(out.routed_experts, ran, top_k)
+            self.routes = request_routes(request, out, top_k)
         except ValueError as err:
-            self.end("aborted", f"engine: routed experts of request {request.rid!r}: {err}")
+            self.end("aborted", f"engine: {err}")
             return False
         return True
 
