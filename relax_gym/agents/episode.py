@@ -9,7 +9,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from relax_gym.agents.agent_env import AgentEnv, task_text
-from relax_gym.agents.proxy import PROMPT_OVER_BUDGET, Chain, ProxyServer
+from relax_gym.agents.proxy import Chain, ProxyServer
 from relax_gym.rewards import RewardResult
 from relax_gym.trajectory import Status, Trajectory
 
@@ -50,8 +50,8 @@ async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: 
         session = proxy.close(sid)
         await client.close()
     chains = [c for c in session.chains if c.conv.turns]  # a chain whose only call failed or was refused: no sample
-    if session.error.startswith(PROMPT_OVER_BUDGET) and not chains and status != "aborted":
-        status, reason = "failed", session.error  # whatever the agent made of the refusal
+    if session.refused and not chains and status != "aborted":
+        status, reason = "failed", session.refused  # whatever the agent made of the refusal
     elif not chains and status == "completed":
         status, reason = "failed", "the agent made no model call"
     if session.error and status == "completed":

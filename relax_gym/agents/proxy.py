@@ -44,9 +44,6 @@ from relax_gym.rollout.manager import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
 
-#: the reason kind of an agent episode whose first prompt leaves no room to generate
-PROMPT_OVER_BUDGET = "prompt over max_total_tokens"
-
 
 @dataclass
 class Chain:
@@ -70,6 +67,8 @@ class AgentSession:
     seed_key: tuple[Any, ...] | None = None
     #: the run's limit that ended the episode (`token_budget`, `max_turns`), if one did
     truncated: str = ""
+    #: why the first call was refused: its prompt alone is over the budget (the episode fails with this)
+    refused: str = ""
     #: the last call's failure, if a call failed (the episode reports it)
     error: str = ""
 
@@ -150,10 +149,10 @@ class AgentProxy:
         budget = self.limits.max_total_tokens - len(chain.conv.token_ids)
         turns = sum(c.conv.turns for c in session.chains)
         if budget <= 0 and not turns:  # the agent's first prompt alone: the run is set up too small for it
-            session.error = (f"{PROMPT_OVER_BUDGET}: the agent's first prompt is {len(chain.conv.token_ids)} tokens "
-                             f"(chat template and tools included), rollout.max_total_tokens is "
-                             f"{self.limits.max_total_tokens}")
-            raise RequestError(session.error)
+            session.refused = (f"prompt over max_total_tokens: the agent's first prompt is {len(chain.conv.token_ids)} "
+                               f"tokens (chat template and tools included), rollout.max_total_tokens is "
+                               f"{self.limits.max_total_tokens}")
+            raise RequestError(session.refused)
         if budget <= 0 or turns >= self.limits.max_turns:
             spent = (f"max_total_tokens ({self.limits.max_total_tokens})" if budget <= 0
                      else f"max_turns ({self.limits.max_turns})")
