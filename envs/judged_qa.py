@@ -51,8 +51,7 @@ class JudgedQAEnv(SingleTurnEnv):
             raise ValueError("relax/JudgedQA-v0 needs a judge: judge={url: http://HOST:PORT} (an OpenAI-compatible "
                              "server, e.g. `relax-gym serve --model M`)")
         self.judge = judge if isinstance(judge, JudgeReward) else shared_judge(**judge)
-        if not self.judge.probed:  # a wrong URL or key stops `relax-gym train` and `check` at start-up
-            self.judge.probe()
+        self.judge.probe()  # a wrong URL or key stops `relax-gym train` and `check` at start-up
         self.system_prompt = system_prompt
         self.tasks = QUESTIONS if data_path is None else _records(Path(data_path).expanduser())
 

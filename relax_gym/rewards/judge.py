@@ -77,8 +77,7 @@ class JudgeReward:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
-        #: whether `probe()` has passed (envs sharing this judge probe it once)
-        self.probed = False
+        self._probed = False  # envs sharing this judge ask once
 
     # --- scoring ---------------------------------------------------------------------------
     def __call__(self, prompt: str, response: str, reference: str = "") -> RewardResult:
@@ -126,8 +125,7 @@ class JudgeReward:
 
     async def _ask_server(self, question: str) -> str:
         if self._client is None:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._client = httpx.AsyncClient(headers=headers, timeout=None)  # wait_for bounds each attempt
+            self._client = httpx.AsyncClient(headers=self._headers(), timeout=None)  # wait_for bounds each attempt
         body: dict[str, Any] = {"messages": [{"role": "user", "content": question}], "temperature": self.temperature,
                                 "max_tokens": self.max_tokens}
         if self.model_name:
@@ -151,19 +149,20 @@ class JudgeReward:
         return self.model.decode(out.output_ids, skip_special_tokens=True)
 
     def probe(self) -> None:
-        """Asks a server's `/v1/models` once: ValueError, naming the URL, when nothing answers there or it refuses
-        the key (an in-process engine, or a server without that route, passes)."""
-        if self.url is None:
-            self.probed = True
+        """Asks a server's `/v1/models`, once until it passes: ValueError, naming the URL, when nothing answers
+        there or it refuses the key (an in-process engine, or a server without that route, passes)."""
+        if self._probed or self.url is None:
             return
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            answer = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=self.timeout_s)
+            answer = httpx.get(f"{self.url}/v1/models", headers=self._headers(), timeout=self.timeout_s)
         except httpx.HTTPError as err:
             raise ValueError(f"JudgeReward: no judge answers at {self.url} ({type(err).__name__}: {err})") from None
         if answer.status_code in REFUSED:
             raise ValueError(f"JudgeReward: {self._refused(answer)}")
-        self.probed = True
+        self._probed = True
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _refused(self, answer: httpx.Response) -> str:
         given = "the key given" if self.api_key else "no key (none given, $RELAX_GYM_API_KEY unset)"
