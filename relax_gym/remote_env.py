@@ -76,18 +76,15 @@ class RemoteEnv(Env[list[Message]]):
     async def areset(self, *, seed: int | None = None,
                      options: dict[str, Any] | None = None) -> tuple[list[Message], dict]:
         super().reset(seed=seed)
-        if self._session is not None:
-            await self._async("DELETE", f"/sessions/{self._session}", quiet=True)
-            self._session = None
+        await self._close_session_async()
         self._session = (await self._async("POST", "/sessions", self._session_body()))["session_id"]
         answer = await self._async("POST", f"/sessions/{self._session}/reset", {"seed": seed, "options": options})
         return messages_from_json(answer["observation"]), answer["info"]
 
     async def astep(self, action: str) -> StepResult:
         result = self._stepped(await self._async("POST", f"/sessions/{self._running()}/step", {"action": action}))
-        if (result[2] or result[3]) and self._session is not None:
-            await self._async("DELETE", f"/sessions/{self._session}", quiet=True)
-            self._session = None
+        if result[2] or result[3]:
+            await self._close_session_async()  # the episode is over: its env on the server goes now
         return result
 
     # --- plumbing -------------------------------------------------------------------------------
@@ -107,6 +104,11 @@ class RemoteEnv(Env[list[Message]]):
     def _close_session_sync(self) -> None:
         if self._session is not None:
             self._sync("DELETE", f"/sessions/{self._session}", quiet=True)
+            self._session = None
+
+    async def _close_session_async(self) -> None:
+        if self._session is not None:
+            await self._async("DELETE", f"/sessions/{self._session}", quiet=True)
             self._session = None
 
     def _sync(self, method: str, path: str, body: Any = None, *, quiet: bool = False) -> Any:
