@@ -157,7 +157,7 @@ def test_a_config_trains_on_a_served_judges_scores_and_a_dead_judge_stops_the_ru
     judge is a second tiny model served by `relax-gym serve`'s app: the same warm start, which answers any prompt
     with digits, so the test reads its first digit as the score (pattern, max_score): the plumbing is the point.
     A judge that never answers makes every reward `timeout` and stops the run with that, not training on zeros
-(one that is not there at all, or refuses the key, stops it at start-up: the next test)."""
+    (one that is not there at all, or refuses the key, stops it at start-up: the next test)."""
     judge_model = load_model(str(Path(__file__).resolve().parents[1] / "examples" / "checkpoints" /
                                  "tiny-arithmetic"))
     with serving(judge_model) as (url, _):
