@@ -277,11 +277,16 @@ class EmbeddedEngine:
         if batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
         self.loaded = loaded
-        if device is not None and torch.device(device) != next(loaded.model.parameters()).device:
+        if device is not None:  # `to` is a no-op where the model already is; "cuda" is never equal to "cuda:0"
             device = torch.device(device)
             dtype = torch.bfloat16 if device.type == "cuda" else None
             loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps-typed `to`
         self.model = loaded.model.eval()
+        if next(self.model.parameters()).device.type == "cuda":
+            # cuDNN's attention builds a graph for each new sequence length, so a decode step, one token longer
+            # than the last, pays it every layer of every step (on an H100: 2 ms of CPU a layer, two thirds of a
+            # step); flash and memory-efficient attention have no such cost. Process-wide, as torch's flag is.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_s
         self.device = next(self.model.parameters()).device
