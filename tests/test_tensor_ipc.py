@@ -41,13 +41,14 @@ def _weights() -> dict[str, torch.Tensor]:
 
 
 def _globals(entry: str) -> set[tuple[str, str]]:
-    """The globals the pickle names, read by unpickling it here (a cache hit: this process shared it)."""
+    """The globals the pickle names, read without calling any: a process may not open its own CUDA IPC handle
+    ("invalid device context", seen on an H100), so every global is a stub that builds nothing."""
     found: set[tuple[str, str]] = set()
 
     class Recording(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> object:
             found.add((module, name))
-            return super().find_class(module, name)
+            return lambda *args, **kwargs: None
 
     Recording(io.BytesIO(base64.b64decode(entry))).load()
     return found
