@@ -22,7 +22,7 @@ from engine_support import KEY, free_port, get, post, serving
 from relax_gym.engines import EmbeddedEngine, EngineError, SGLangEngine
 from relax_gym.engines.weight_group import create_group, dtype_name, join_group, open_store, parse_dtype
 from relax_gym.models import load_model
-from relax_gym.trainer.weight_publish import DistributedPublisher
+from relax_gym.trainer.weight_publish import ONE_GPU_EACH, DistributedPublisher
 
 GROUP = "relax-gym-weights"
 pytestmark = pytest.mark.timeout(120)
@@ -215,3 +215,25 @@ def test_dtype_names():
     for bad in ["float33", "Tensor", " float32", "torch.nn"]:
         with pytest.raises(ValueError, match="not a torch dtype"):
             parse_dtype(bad)
+
+
+def test_nccl_refusing_two_ranks_on_one_gpu_says_what_to_do_instead(monkeypatch):
+    """What NCCL said on an H100 when a trainer and `relax-gym serve` shared the GPU; reproduced with a group whose
+    broadcast fails so, since no CPU has NCCL."""
+    class OneGpuGroup:
+        def send(self, tensors):
+            raise RuntimeError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage "
+                               "(run with NCCL_DEBUG=WARN for details), NCCL version 2.28.9")
+
+    class Receiving:
+        base_url = "http://127.0.0.1:1"
+
+        async def update_weights_from_distributed(self, *args):
+            await asyncio.Event().wait()  # receives until the trainer's side fails
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    publisher = DistributedPublisher([Receiving()], backend="nccl")
+    publisher._group = OneGpuGroup()
+    with pytest.raises(EngineError, match="invalid usage") as caught:
+        asyncio.run(publisher.publish({}, 1))
+    assert ONE_GPU_EACH in str(caught.value)

@@ -33,6 +33,13 @@ from relax_gym.engines.base import EngineError
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.engines.weight_group import DEFAULT_TIMEOUT_S, WeightGroup, join_group, open_store
 
+#: how NCCL refuses, at a group's first broadcast, two ranks on one GPU (NCCL 2.28 on an H100: the trainer and a
+#: `relax-gym serve` sharing the GPU), among other misuses
+NCCL_INVALID_USAGE = "invalid usage"
+ONE_GPU_EACH = ("NCCL refuses two ranks of a group on one GPU, as a trainer and a server sharing a GPU are: give "
+                "each its own GPU, or sync through CUDA IPC (an engine server on this host, weight_sync: tensor), "
+                "the object store or the disk")
+
 
 class DistributedPublisher:
     """Rank 0 of the weights group `group_name` whose other ranks are `engines` (rank 1 + their index)."""
@@ -100,6 +107,8 @@ class DistributedPublisher:
             await self._first_failure(asyncio.to_thread(group.send, tensors), updates, "failed to send")
         except EngineError as err:
             self._broken = str(err)
+            if self.backend == "nccl" and NCCL_INVALID_USAGE in str(err):
+                raise EngineError(f"{err}. {ONE_GPU_EACH}") from err
             raise
 
     async def close(self) -> None:
