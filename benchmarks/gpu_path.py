@@ -5,13 +5,16 @@ logprob gap, weight-sync speed and the longest trainable sequence. `scripts/gpu_
 For one shape (Qwen3-0.6B, -1.7B, -4B layouts with their 151,936-token vocabulary; weights random, built in
 code, nothing downloaded), on `--device` (default: the GPU if there is one), it prints one markdown table:
 
-- engine tokens/s: `--requests` prompts of `--prompt-tokens` random ids, `--new-tokens` sampled each, through
-  the embedded engine (continuous batching) against one batched HF `generate` of the same prompts (the ratio);
+- engine tokens/s: for each N of `--requests`, N prompts of `--prompt-tokens` random ids, `--new-tokens`
+  sampled each, through the embedded engine (continuous batching, all N in one running batch) against one
+  batched HF `generate` of the same prompts (the ratio);
 - trainer tokens/s and MFU: `TorchBackend.train_step` on `--train-seqs` sequences of `--train-len` tokens
   (the last quarter trained), MFU = 6 × parameters × tokens/s / `--peak-tflops` (H100 bf16 dense: 989); the
   same for `MegatronBackend` (one rank, bf16 with float32 main params on a GPU), measured last, alone;
 - logprob gap: the engine's sampled-token logprobs against the trainer's recomputation of the same tokens
-  (mean and max |difference|), which in bf16 is the off-policy noise every GPU run carries;
+  (mean and max |difference|) at the first N, which in bf16 is the off-policy noise every GPU run carries;
+  then split: the engine against one forward of its own model (same weights and dtype: what the KV cache and
+  batching add), and each side against one full-fp32 forward of the trainer's weights (TF32 off);
 - weight sync: seconds per GB for `EmbeddedEngine.update_weights` from the trainer's `hf_state_dict()`;
 - longest trainable sequence: the longest one-sequence train step (doubling, then bisecting) before the
   device runs out of memory (GPU only).
@@ -19,12 +22,19 @@ code, nothing downloaded), on `--device` (default: the GPU if there is one), it 
     python benchmarks/gpu_path.py --shape tiny                  # any machine: does it run
     python benchmarks/gpu_path.py --shape qwen3-0.6b            # on a GPU
     python benchmarks/gpu_path.py --shape qwen3-4b --train-seqs 8
+    python benchmarks/gpu_path.py --shape qwen3-1.7b --requests 64 256 --parts engine   # the engine alone
+
+`--parts` picks what runs: `engine` (tokens/s, the logprob gap, weight sync), `train` (trainer tokens/s and
+MFU), `longest`; Megatron by `--megatron`. `--profile` prints torch.profiler's top operators of the engine's
+run at the first N. The models are built on `--device` directly (a random init of
+billions of parameters on a CPU takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import importlib.util
 import time
 from dataclasses import replace
@@ -50,8 +60,8 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 VOCAB = 151_936
 
 
-def build(shape: str) -> LoadedModel:
-    """A random-weight Qwen3 of `shape` in fp32 on the CPU (the engine and the trainer move their copies)."""
+def build(shape: str, device: str | torch.device = "cpu") -> LoadedModel:
+    """A random-weight Qwen3 of `shape` in fp32, made on `device` (the engine and the trainer move their copies)."""
     hidden, layers, heads, kv_heads, intermediate = SHAPES[shape]
     tokenizer = build_tokenizer()
     config = Qwen3Config(
@@ -61,13 +71,14 @@ def build(shape: str) -> LoadedModel:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    return LoadedModel(Qwen3ForCausalLM(config).eval(), tokenizer, None, ("text",), f"random {shape}")
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return LoadedModel(model.eval(), tokenizer, None, ("text",), f"random {shape}")
 
 
 def clone(loaded: LoadedModel) -> LoadedModel:
-    model = Qwen3ForCausalLM(loaded.model.config)
-    model.load_state_dict(loaded.model.state_dict())
-    return replace(loaded, model=model.eval())
+    """A copy of `loaded`'s model on its device (a copy, not a second random init)."""
+    return replace(loaded, model=copy.deepcopy(loaded.model).eval())
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -116,6 +127,26 @@ def logprob_gap(sample: Sample, recomputed: torch.Tensor) -> torch.Tensor:
     """|engine logprob - trainer logprob| of each sampled token."""
     trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
     return (recomputed.float().cpu()[trained] - torch.tensor(sample.rollout_logprobs)[trained]).abs()
+
+
+def forward_logprobs(model: torch.nn.Module, sample: Sample) -> torch.Tensor:
+    """Each token's logprob under one forward of `model` over the whole sample, aligned with its tokens (the
+    first, which nothing predicts, gets 0), in the model's own dtype with TF32 off: the reference the engine's
+    cached decode and the trainer's autocast forward are each measured against."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([sample.token_ids], device=device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            logprobs = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return torch.cat([logprobs.new_zeros(1), logprobs.gather(1, ids[0, 1:, None]).squeeze(1)])
+
+
+def gap_rows(label: str, gaps: torch.Tensor) -> list[tuple[str, str]]:
+    return [(f"{label}, mean", f"{gaps.mean():.2e}"), (f"{label}, max", f"{gaps.max():.2e}")]
 
 
 def train_samples(n: int, length: int) -> list[Sample]:
@@ -169,57 +200,99 @@ def megatron_tokens_per_s(base: LoadedModel, args: argparse.Namespace, device: t
     return train_tokens_per_s(backend, args, device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--train-seqs", type=int, default=16)
-    parser.add_argument("--train-len", type=int, default=2048)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's bf16 dense peak (H100: 989)")
-    parser.add_argument("--longest-limit", type=int, default=131_072)
-    parser.add_argument("--megatron", action=argparse.BooleanOptionalAction,
-                        default=importlib.util.find_spec("megatron") is not None,
-                        help="also time the Megatron backend (default: when megatron-core is installed)")
-    args = parser.parse_args()
-    if args.shape == "tiny":
-        args.requests, args.prompt_tokens, args.new_tokens, args.train_seqs, args.train_len = 4, 16, 8, 4, 32
-    device = torch.device(args.device)
-    enable_tf32(device)
-    base = build(args.shape)
-    params = sum(p.numel() for p in base.model.parameters())
-    rows: list[tuple[str, str]] = [("shape", f"{args.shape} ({params / 1e9:.2f} B parameters)"),
-                                   ("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")]
+PARTS = ("engine", "train", "longest")
 
-    engine_model = clone(base)
-    engine = EmbeddedEngine(engine_model, device=device, max_batch_size=args.requests)
+
+def print_profile(engine: EmbeddedEngine, requests: list[GenerateRequest], device: torch.device,
+                  steps: int = 16) -> None:
+    """Where a decode step of `requests` goes: the engine's own pieces (`RunningBatch` and `RowSampler`, as its
+    worker runs them) timed apart on this thread, then torch.profiler's top operators over `steps` steps. Run
+    here rather than through the engine, whose worker thread the profiler does not see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from relax_gym.engines.continuous import RunningBatch
+    from relax_gym.engines.sampling import RowSampler, seeded_generators
+
+    params = [r.sampling for r in requests]
+    generators = seeded_generators(params, device)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        sampler = RowSampler(params, device=device, generator=engine._generator, row_generators=generators)
+        tokens, logprobs = sampler.sample(logits)
+        torch.stack([tokens.double(), logprobs.double()]).tolist()  # the engine reads them back every step
+        return tokens
+
+    batch, logits = RunningBatch(engine.model, engine.pad_token_id).prefill([r.input_ids for r in requests])
+    batch.last = sample(logits)
+    forward_s = sample_s = 0.0
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        logits = batch.step()
+        synchronize(device)
+        middle = time.perf_counter()
+        batch.last = sample(logits)
+        forward_s, sample_s = forward_s + middle - start, sample_s + time.perf_counter() - middle
+    print(f"profile: N={len(requests)}, per decode step: forward {1e3 * forward_s / steps:.1f} ms, "
+          f"sampling and read-back {1e3 * sample_s / steps:.1f} ms")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            batch.last = sample(batch.step())
+        synchronize(device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+
+
+def engine_rows(base: LoadedModel, args: argparse.Namespace, device: torch.device) -> list[tuple[str, str]]:
+    """Engine tokens/s against HF `generate` at each N, then the engine-trainer logprob gap at the first N and
+    the in-process weight sync (the trainer's weights, two steps on when `train` runs too)."""
+    engine = EmbeddedEngine(clone(base), device=device, max_batch_size=max(args.requests))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-    ids = prompts(args.requests, args.prompt_tokens)
-    requests = [GenerateRequest(p, replace(sampling, seed=i)) for i, p in enumerate(ids)]
+    rows: list[tuple[str, str]] = []
     try:
-        engine_tps = asyncio.run(engine_tokens_per_s(engine, requests))
-        hf_tps = hf_generate_tokens_per_s(engine.model, ids, args.new_tokens)
-        rows += [("engine tokens/s (continuous batching)", f"{engine_tps:,.0f}"),
-                 ("HF generate tokens/s (one batch)", f"{hf_tps:,.0f}"),
-                 ("engine / HF generate", f"{engine_tps / hf_tps:.2f}x")]
+        for n in args.requests:
+            ids = prompts(n, args.prompt_tokens)
+            requests = [GenerateRequest(p, replace(sampling, seed=i)) for i, p in enumerate(ids)]
+            if args.profile and n == args.requests[0]:
+                print_profile(engine, requests, device)
+            engine_tps = asyncio.run(engine_tokens_per_s(engine, requests))
+            hf_tps = hf_generate_tokens_per_s(engine.model, ids, args.new_tokens)
+            rows += [(f"engine tokens/s, N={n} (continuous batching)", f"{engine_tps:,.0f}"),
+                     (f"HF generate tokens/s, N={n} (one batch)", f"{hf_tps:,.0f}"),
+                     (f"engine / HF generate, N={n}", f"{engine_tps / hf_tps:.2f}x")]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
         backend = TorchBackend(clone(base), lr=1e-6, device=device,
                                micro_batch_tokens=args.train_seqs * args.train_len)
-        train_tps = train_tokens_per_s(backend, args, device)
-        rows.append(("trainer tokens/s (fwd + bwd + AdamW)", f"{train_tps:,.0f}"))
-        if device.type == "cuda":
-            rows.append(("trainer MFU", f"{6 * params * train_tps / (args.peak_tflops * 1e12):.1%}"))
+        if "train" in args.parts:
+            train_tps = train_tokens_per_s(backend, args, device)
+            rows.append(("trainer tokens/s (fwd + bwd + AdamW)", f"{train_tps:,.0f}"))
+            if device.type == "cuda":
+                params = sum(p.numel() for p in base.model.parameters())
+                rows.append(("trainer MFU", f"{6 * params * train_tps / (args.peak_tflops * 1e12):.1%}"))
 
         state = backend.hf_state_dict()
-        asyncio.run(engine.update_weights(state, 1))  # the trainer's weights (two steps on) into the engine
+        asyncio.run(engine.update_weights(state, 1))  # the trainer's weights into the engine
+        ids = prompts(args.requests[0], args.prompt_tokens, seed=2)
+        requests = [GenerateRequest(p, replace(sampling, seed=i)) for i, p in enumerate(ids)]
         generated = [rollout_sample(r, o) for r, o in zip(requests, asyncio.run(generate(engine, requests)),
                                                             strict=True)]
-        recomputed = backend.logprobs(generated, temperature=1.0)
-        gaps = torch.cat([logprob_gap(s, out.logprobs) for s, out in zip(generated, recomputed, strict=True)])
-        rows += [("logprob gap engine vs trainer, mean", f"{gaps.mean():.2e}"),
-                 ("logprob gap engine vs trainer, max", f"{gaps.max():.2e}")]
+        recomputed = [out.logprobs for out in backend.logprobs(generated, temperature=1.0)]
+        n = args.requests[0]
+        rows += gap_rows(f"logprob gap engine vs trainer, N={n}",
+                         torch.cat([logprob_gap(s, lp) for s, lp in zip(generated, recomputed, strict=True)]))
+        # where the gap comes from: the engine's own model in one forward, and the trainer's weights in full fp32
+        own = [forward_logprobs(engine.model, s) for s in generated]
+        full = [forward_logprobs(backend.model, s) for s in generated]
+        rows += gap_rows(f"logprob gap engine vs one forward of its own model, N={n}",
+                         torch.cat([logprob_gap(s, lp) for s, lp in zip(generated, own, strict=True)]))
+        rows += gap_rows(f"logprob gap engine vs fp32 forward, N={n}",
+                         torch.cat([logprob_gap(s, lp) for s, lp in zip(generated, full, strict=True)]))
+        trainer_vs_fp32 = [logprob_gap(replace(s, rollout_logprobs=lp.float().cpu().tolist()), f)
+                           for s, lp, f in zip(generated, recomputed, full, strict=True)]
+        rows += gap_rows(f"logprob gap trainer vs fp32 forward, N={n}", torch.cat(trainer_vs_fp32))
+        del own, full
 
         gigabytes = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
         start = time.perf_counter()
@@ -227,13 +300,47 @@ def main() -> None:
         synchronize(device)
         rows.append(("weight sync, in-process state dict", f"{(time.perf_counter() - start) / gigabytes:.2f} s/GB "
                                                            f"({gigabytes:.2f} GB)"))
-        if device.type == "cuda":
+        if "longest" in args.parts and device.type == "cuda":
             rows.append(("longest trainable sequence (1 per step)",
                          f"{longest_trainable(backend, make_loss_fn(AlgorithmConfig()), args.longest_limit):,} tokens"))
         del backend, state
     finally:
         asyncio.run(engine.close())
-    del engine, engine_model
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--requests", type=int, nargs="+", default=[64],
+                        help="concurrent requests, one measurement per number (the gap is measured at the first)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--train-seqs", type=int, default=16)
+    parser.add_argument("--train-len", type=int, default=2048)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's bf16 dense peak (H100: 989)")
+    parser.add_argument("--longest-limit", type=int, default=131_072)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (engine always runs: the gap needs it)")
+    parser.add_argument("--profile", action="store_true", help="print the engine's top operators at the first N")
+    parser.add_argument("--megatron", action=argparse.BooleanOptionalAction,
+                        default=importlib.util.find_spec("megatron") is not None,
+                        help="also time the Megatron backend (default: when megatron-core is installed)")
+    args = parser.parse_args()
+    args.parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if unknown := args.parts - set(PARTS):
+        parser.error(f"--parts: {', '.join(sorted(unknown))} (expected some of {', '.join(PARTS)})")
+    if args.shape == "tiny":
+        args.requests, args.prompt_tokens, args.new_tokens, args.train_seqs, args.train_len = [4], 16, 8, 4, 32
+    device = torch.device(args.device)
+    enable_tf32(device)
+    base = build(args.shape, device)
+    params = sum(p.numel() for p in base.model.parameters())
+    rows: list[tuple[str, str]] = [("shape", f"{args.shape} ({params / 1e9:.2f} B parameters)"),
+                                   ("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+                                   ("workload", f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens")]
+    rows += engine_rows(base, args, device)
     if args.megatron:
         if device.type == "cuda":
             torch.cuda.empty_cache()

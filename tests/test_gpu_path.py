@@ -21,9 +21,10 @@ def test_the_gpu_path_benchmark_runs_at_its_tiny_shape():
     cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in done.stdout.splitlines()[2:]]
     rows = {name: value for name, value in cells}
     assert rows["device"] == "cpu", done.stdout
-    for measure in ("engine tokens/s (continuous batching)", "HF generate tokens/s (one batch)",
-                    "trainer tokens/s (fwd + bwd + AdamW)", "logprob gap engine vs trainer, max",
+    for measure in ("engine tokens/s, N=4 (continuous batching)", "HF generate tokens/s, N=4 (one batch)",
+                    "trainer tokens/s (fwd + bwd + AdamW)", "logprob gap engine vs trainer, N=4, max",
                     "weight sync, in-process state dict",
                     "Megatron trainer tokens/s (bf16 on a GPU, fwd + bwd + distributed Adam)"):
         assert measure in rows, (measure, done.stdout)
-    assert float(rows["logprob gap engine vs trainer, max"]) < 1e-3  # fp32 on a CPU: the engine's are the trainer's
+    # fp32 on a CPU: the engine's logprobs are the trainer's
+    assert float(rows["logprob gap engine vs trainer, N=4, max"]) < 1e-3
