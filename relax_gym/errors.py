@@ -29,6 +29,8 @@ defines it and, in brackets, a shorter path that re-exports it
         BadRequest                  relax_gym.engines.server  (the HTTP server answers 400)
         ChatTemplateError           relax_gym.models.inputs [relax_gym.models]
         DatasetError                relax_gym.envs.datasets
+        GGUFError                   relax_gym.models.gguf_checkpoint  (load_model says it as a ModelLoadError)
+        HubModelError               relax_gym.models.hub  (load_model says it as a ModelLoadError)
         MediaError                  relax_gym.engines.server_media
         MessageError                relax_gym.messages
         ScaleRejected               relax_gym.trainer.cluster.scale  (the control API answers its status: 400, 404, 409)

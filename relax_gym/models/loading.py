@@ -1,7 +1,9 @@
-"""`load_model`: one entry point for the embedded tiny models and local HF checkpoint folders.
+"""`load_model`: one entry point for every name a user types for a model.
 
-Nothing here reaches a hub: a name is either one of `TINY_MODELS` or a folder on
-disk, read with `local_files_only=True`.
+In order: a local HF checkpoint folder (or a run's checkpoint), one of `TINY_MODELS` (built in code), a GGUF
+file or a folder holding one (`gguf_checkpoint`: dequantized to a plain model), then a hub id `ORG/NAME[@REV]`
+(`hub`: a snapshot in the Hugging Face cache, fetched when online). Folders are read with
+`local_files_only=True`: only the hub id path reaches the network, through huggingface_hub.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.utils import logging as hf_logging
 
 from relax_gym.errors import StartupError
+from relax_gym.models.gguf_checkpoint import GGUFError, gguf_file, load_gguf
+from relax_gym.models.hub import HubModelError, hub_snapshot, parse_hub_id
 from relax_gym.models.tiny import (
     build_tiny_audio,
     build_tiny_moe,
@@ -110,8 +114,8 @@ class ModelLoadError(StartupError):
 def _not_found(name_or_path: str, why: str) -> ModelLoadError:
     return ModelLoadError(
         f"model {name_or_path!r}: {why}. Pass a local Hugging Face checkpoint folder (config.json, "
-        f"tokenizer or processor files, *.safetensors) or an embedded tiny model: {', '.join(TINY_MODELS)}. "
-        "Nothing is downloaded from a hub."
+        "tokenizer or processor files, *.safetensors), a .gguf file, a hub id (ORG/NAME[@REVISION]) or an "
+        f"embedded tiny model: {', '.join(TINY_MODELS)}."
     )
 
 
@@ -205,7 +209,15 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
     if name_or_path in TINY_MODELS:
         log.warning("model %r: using the checkpoint folder %s, not the embedded tiny model of that name",
                     name_or_path, path.resolve())
-    if not path.is_dir():
+    try:
+        gguf = gguf_file(path)
+    except GGUFError as err:
+        raise ModelLoadError(f"model {name_or_path!r}: {err}") from None
+    if gguf is not None:
+        return _load_gguf(gguf, dtype, device)
+    if not path.exists() and parse_hub_id(name_or_path) is not None:
+        path = _hub_folder(name_or_path, path)
+    elif not path.is_dir():
         raise _not_found(name_or_path, f"no folder at {path}")
     if not _is_checkpoint(path):
         raise _not_found(name_or_path, f"the folder {path} has no config.json")
@@ -216,6 +228,30 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
         # transformers reports a bad folder in many types (empty config: ValueError, no weights: OSError,
         # a truncated safetensors file: SafetensorError, a RuntimeError); the user needs one line
         raise ModelLoadError(f"model folder {path}: cannot load it: {type(err).__name__}: {_first_line(err)}") from err
+
+
+def _hub_folder(name: str, path: Path) -> Path:
+    """The snapshot folder of the hub id `name`. A name whose parent folder exists here is as likely a
+    mistyped path: the error then says that first."""
+    try:
+        return hub_snapshot(name)
+    except HubModelError as err:
+        typo = path.parent != Path(".") and path.parent.is_dir()
+        raise ModelLoadError(f"model {name!r}: {f'no folder at {path}, and as ' if typo else ''}a hub id, "
+                             f"{err}") from None
+
+
+def _load_gguf(file: Path, dtype: torch.dtype | None, device: str | torch.device) -> LoadedModel:
+    try:
+        with quiet_progress():
+            model, tokenizer = load_gguf(file, dtype)
+    except GGUFError as err:
+        raise ModelLoadError(f"model {err}") from err
+    log.warning("model %s: a dequantized start (GGUF weights as %s): its logprobs differ from the quantized "
+                "model's by the quantization error; checkpoints save the dequantized weights", file,
+                str(next(model.parameters()).dtype).removeprefix("torch."))
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' @wraps-typed `to`
+    return LoadedModel(model, tokenizer, None, ("text",), str(file))
 
 
 @contextmanager
@@ -235,7 +271,14 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0][:300] if text else "(no message)"
 
 
+#: a folder needs one of these for its tokenizer: without any, AutoTokenizer makes an empty one and says nothing
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+
+
 def _load_folder(path: Path, dtype: torch.dtype | None, device: str | torch.device) -> LoadedModel:
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}): save the tokenizer beside the model, "
+                         "or copy its files from the checkpoint it came from")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     modalities = config_modalities(config)
     auto_model = AutoModelForCausalLM if modalities == ("text",) else AutoModelForMultimodalLM
