@@ -203,6 +203,46 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    import tempfile
+
+    from relax_gym.errors import StartupError
+    from relax_gym.rollout.run import eval_to_file
+    from relax_gym.trainer.config import load_rollout_config
+
+    samples = args.samples or args.k
+    if args.k < 1 or samples < args.k:
+        raise StartupError(f"--k {args.k} and --samples {samples}: pass@k needs 1 <= k <= samples per task")
+    given = _rollout_given(args) | {"group_size": samples}
+    if args.temperature is None:
+        given["temperature"] = 0.0 if samples == 1 else 1.0
+    rollout = load_rollout_config(given, args.settings)
+    out = args.out
+    if out is None:
+        handle, out = tempfile.mkstemp(prefix="relax-gym-eval-", suffix=".jsonl")
+        os.close(handle)
+    report = asyncio.run(eval_to_file(env_id=args.env, model=_load(args), n=args.n, out=out, rollout=rollout,
+                                      k=args.k, env_kwargs=_key_values(args.env_arg), pass_reward=args.pass_reward))
+    if args.json:
+        print(json.dumps({"model": args.model, **report.row(), "temperature": rollout.temperature, "out": out}))
+        return 0
+    low, high = report.pass_at_1_ci
+    console.print(f"[bold]{report.env_id}[/bold] ({args.model}): {report.tasks} held-out tasks x {samples} "
+                  f"sample{'s' if samples > 1 else ''} at temperature {rollout.temperature:g}", highlight=False,
+                  soft_wrap=True)
+    console.print(f"  pass@1 {report.pass_at_1:.3f} [{low:.3f}, {high:.3f}]", highlight=False, end="")
+    if args.k > 1:
+        low, high = report.pass_at_k_ci
+        console.print(f", pass@{args.k} {report.pass_at_k:.3f} [{low:.3f}, {high:.3f}]", highlight=False, end="")
+    console.print(f" (95 % intervals), mean reward {report.reward_mean:.3f}", highlight=False)
+    console.print(f"  status {report.status}, {report.generated_tokens_mean:.1f} generated tokens per episode",
+                  highlight=False)
+    console.print(f"  trajectories: {out}", highlight=False, soft_wrap=True)
+    return 0
+
+
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
@@ -397,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", required=True,
                    help="a registered env id, a file.py or module that registers one, or file.py:ID")
     p.add_argument("--model", default="tiny",
-                   help="tiny | tiny-moe | tiny-vl | tiny-audio | tiny-omni | a local HF checkpoint folder")
+                   help="tiny | tiny-moe | tiny-vl | tiny-audio | tiny-omni | a local HF checkpoint folder | "
+                        "a .gguf file | ORG/NAME[@REVISION] (the Hugging Face cache)")
     p.add_argument("-n", type=int, default=8, help="number of tasks")
     p.add_argument("--out", required=True, help="output .jsonl (written as groups finish)")
     p.add_argument("--seed", type=int, default=0)
@@ -410,6 +451,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
     _template_flags(p)
     p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("eval", help="pass@1 / pass@k on held-out tasks (the draw a training run's eval uses)")
+    p.add_argument("settings", nargs="*", metavar="rollout.KEY=VALUE",
+                   help="the rollout section of a training config, e.g. rollout.max_turns=4; applied after the flags")
+    p.add_argument("--env", required=True,
+                   help="a registered env id, a file.py or module that registers one, or file.py:ID")
+    p.add_argument("--model", default="tiny", help="as `rollout --model` takes it; a run folder evaluates its latest "
+                                                   "checkpoint")
+    p.add_argument("-n", type=int, default=32, help="held-out tasks (default 32, trainer.eval_tasks' default)")
+    p.add_argument("--k", type=int, default=1, help="pass@k's k (default 1)")
+    p.add_argument("--samples", type=int, default=None, help="samples per task (default k)")
+    p.add_argument("--pass-reward", type=float, default=1.0,
+                   help="the reward at which a sample passes (default 1.0, full credit)")
+    p.add_argument("--out", default=None, help="trajectories .jsonl (default: a new temporary file, printed)")
+    p.add_argument("--json", action="store_true", help="print one JSON row")
+    p.add_argument("--engine-url", default=None, help="an SGLang (or relax-gym serve) server instead of in-process")
+    for flag, field, kind, what in ROLLOUT_FLAGS:
+        if field == "group_size":
+            continue  # --samples
+        default = "0 for one sample per task, else 1" if field == "temperature" else "the rollout section's"
+        p.add_argument(flag, dest=field, type=kind, default=None, metavar=kind.__name__.upper(),
+                       help=f"{what}: rollout.{field} (default {default})")
+    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
+    _template_flags(p)
+    p.set_defaults(func=cmd_eval, group_size=None)
 
     p = sub.add_parser("view", help="render trajectories as an HTML page")
     p.add_argument("jsonl")

@@ -41,6 +41,7 @@ from relax_gym.models import LoadedModel, load_model
 from relax_gym.models.moe_routing import experts_per_token
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
+from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.rollout.metrics import reason_kind, reward_failures, status_breakdown
 from relax_gym.rollout.startup import EnvUse, check_run
@@ -55,7 +56,6 @@ from relax_gym.trainer.run_log import RunLog
 
 _T = TypeVar("_T")
 
-EVAL_SEED_OFFSET = 1_000_000_000  # held-out tasks never share a seed with training tasks
 TRAINABLE = ("completed", "truncated")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from relax_gym.rollout.evaluation import eval_report
 from relax_gym.rollout.metrics import reward_failures, status_breakdown
 from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.databus import Group, group_staleness
@@ -120,7 +121,9 @@ class RunLog:
                   if r and all(t.status in ("failed", "aborted") for t in r)}
         record: dict[str, Any] = {"type": "eval", "step": version,
                                   "reward_mean": fmean(scores.values()) if scores else 0.0, "reward_per_env": scores,
-                                  "status": {env: dict(Counter(t.status for t in r)) for env, r in results.items()}}
+                                  "status": {env: dict(Counter(t.status for t in r)) for env, r in results.items()},
+                                  # what `relax-gym eval` prints for the same tasks: pass@1 and its interval, ...
+                                  "per_env": {env: eval_report(env, r).row() for env, r in results.items() if r}}
         if broken:
             record["error"] = "; ".join(f"{env}: {why}" for env, why in broken.items())
         self._write(record)

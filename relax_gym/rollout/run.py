@@ -1,4 +1,4 @@
-"""`relax-gym rollout`: episodes from an env id and a model to a JSONL file."""
+"""`relax-gym rollout` and `relax-gym eval`: episodes from an env id and a model to a JSONL file."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relax_gym.engines.factory import make_engine
-from relax_gym.errors import RunStopped
+from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
+from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET, EvalReport, eval_report
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.rollout.metrics import status_breakdown, summarize
 from relax_gym.rollout.startup import EnvUse, check_run
@@ -29,6 +30,29 @@ async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, out:
     before the first episode (`startup.check_run`, StartupError); if every episode fails or aborts, the file is
     kept and RunStopped says why.
     """
+    return summarize(await play_to_file(env_id=env_id, model=model, n=n, out=out, rollout=rollout, seed=seed,
+                                        env_kwargs=env_kwargs))
+
+
+async def eval_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: str | Path,
+                       rollout: RolloutConfig, k: int = 1, env_kwargs: dict[str, Any] | None = None,
+                       pass_reward: float = 1.0) -> EvalReport:
+    """pass@1 and pass@k on the held-out tasks 0..n-1 (seeds from `EVAL_SEED_OFFSET`, as a training run's eval
+    draws them), `rollout.group_size` samples each (at least k), trajectories written to `out`."""
+    if rollout.group_size < k:
+        raise StartupError(f"pass@{k} needs at least {k} samples per task, not {rollout.group_size}")
+    if rollout.group_size > 1 and rollout.temperature == 0:
+        raise StartupError(f"{rollout.group_size} samples per task at temperature 0 are one answer repeated: "
+                           "give a temperature above 0")
+    done = await play_to_file(env_id=env_id, model=model, n=n, out=out, rollout=rollout, seed=EVAL_SEED_OFFSET,
+                              env_kwargs=env_kwargs)
+    return eval_report(resolve_env_id(env_id), done, k=k, pass_reward=pass_reward)
+
+
+async def play_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: str | Path,
+                       rollout: RolloutConfig | None = None, seed: int = 0,
+                       env_kwargs: dict[str, Any] | None = None) -> list[Trajectory]:
+    """`rollout_to_file`'s episodes, returned rather than summarised."""
     if rollout is None:
         from relax_gym.trainer.config import RolloutConfig  # its defaults: the CLI's settings when none are given
 
@@ -62,4 +86,4 @@ async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, out:
     if done and all(t.status in ("failed", "aborted") for t in done):
         raise RunStopped(f"every episode of {env_id} failed or aborted (trajectories in {path}): "
                          f"{status_breakdown(done)}")
-    return summarize(done)
+    return done

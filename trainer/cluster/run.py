@@ -27,6 +27,7 @@ import ray
 
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped, StartupError
+from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
@@ -37,7 +38,7 @@ from relax_gym.trainer.cluster.scale import ScaleManager
 from relax_gym.trainer.cluster.workers import WorkerPool
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trainer.databus import Group
-from relax_gym.trainer.loop import EVAL_SEED_OFFSET, Trainer
+from relax_gym.trainer.loop import Trainer
 
 START_TIMEOUT_S = 300.0
 
