@@ -18,7 +18,8 @@ QUICKSTART_TASK = ["--env", "relax/Arithmetic-v0", "--env-arg", "digits=1", "--e
                    "ops=+", "--max-new-tokens", "4", "--max-turns", "1", "--max-total-tokens", "128"]
 
 
-@pytest.mark.parametrize(("n", "c", "k"), [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
+@pytest.mark.parametrize(("n", "c", "k"),
+                         [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
 def test_pass_at_k_is_the_chance_that_a_k_subset_holds_a_pass(n, c, k):
     subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
     assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
