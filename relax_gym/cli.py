@@ -130,7 +130,8 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _template_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template that replaces the checkpoint's")
+                   help="a Jinja chat template that replaces the checkpoint's, or a bundled one by name: "
+                        "chatml-tools (ChatML with tool schemas, for models whose template ignores tools)")
     p.add_argument("--template-kwarg", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to every chat-template render, e.g. enable_thinking=false (repeatable)")
     p.add_argument("--tool-format", default="auto",

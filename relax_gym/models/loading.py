@@ -33,6 +33,7 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.utils import logging as hf_logging
 
 from relax_gym.errors import StartupError
+from relax_gym.models.chat_template import BUNDLED_TEMPLATES
 from relax_gym.models.gguf_checkpoint import GGUFError, gguf_file, load_gguf
 from relax_gym.models.hub import HubModelError, hub_snapshot, parse_hub_id
 from relax_gym.models.tiny import (
@@ -186,13 +187,18 @@ def load_model(
 
 
 def use_chat_template(loaded: LoadedModel, path: str | Path) -> None:
-    """Replaces the tokenizer's (and processor's) chat template with the Jinja file at `path`."""
-    path = Path(path).expanduser()
-    try:
-        template = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"chat template {path}: cannot read it: {type(err).__name__}: "
-                             f"{_first_line(err)}") from None
+    """Replaces the tokenizer's (and processor's) chat template with the Jinja file at `path`, or with the
+    bundled template of that name (`BUNDLED_TEMPLATES`, unless a file of that name is here)."""
+    if str(path) in BUNDLED_TEMPLATES and not Path(path).is_file():
+        template = BUNDLED_TEMPLATES[str(path)]
+    else:
+        path = Path(path).expanduser()
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ModelLoadError(f"chat template {path}: cannot read it: {type(err).__name__}: "
+                                 f"{_first_line(err)} (bundled templates, by name: "
+                                 f"{', '.join(BUNDLED_TEMPLATES)})") from None
     if not template.strip():
         raise ModelLoadError(f"chat template {path}: the file is empty")
     loaded.tokenizer.chat_template = template

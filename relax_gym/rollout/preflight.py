@@ -185,7 +185,7 @@ def report_dict(loaded: LoadedModel, results: list[CaseResult]) -> dict[str, Any
     if traits.ignores_tools:
         warnings.append("the chat template ignores `tools`: the model would never see the tool schemas, and the "
                         "tool cases were skipped; pass a template that renders them (--chat-template / "
-                        "model.chat_template)")
+                        "model.chat_template: chatml-tools for a ChatML model)")
     return {
         "certified": all(r.match or r.expected for r in results),
         "exact": all(r.match for r in results),

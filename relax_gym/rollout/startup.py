@@ -82,7 +82,8 @@ def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_ne
         env.close()
     if conv.tools and conv.traits is not None and conv.traits.ignores_tools:
         log.warning("%s: the chat template of %s ignores `tools`, so the model never sees the schemas of %s; "
-                    "pass a template that renders them (model.chat_template / --chat-template)", label,
+                    "pass a template that renders them (model.chat_template / --chat-template: chatml-tools for a "
+                    "ChatML model)", label,
                     loaded.name, ", ".join(t.get("function", t).get("name", "?") for t in conv.tools))
     prompt = len(conv.token_ids)
     if prompt + max_new_tokens > max_total_tokens:
