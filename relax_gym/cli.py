@@ -311,9 +311,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary.get("eval_failures"):
         console.print(f"[yellow]{summary['eval_failures']} evals failed: see the eval rows with an 'error' in "
                       f"{summary['run_dir']}/metrics.jsonl[/yellow]", highlight=False)
+    held_out = ""
+    if summary.get("eval_first") and summary["eval_last"] != summary["eval_first"]:
+        (first_step, first), (last_step, last) = summary["eval_first"], summary["eval_last"]
+        held_out = f"; held-out eval {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})"
     console.print(
-        f"run folder {summary['run_dir']}: {summary['steps']} steps, reward {summary['reward_first_tenth']:.3f}"
-        f" (first tenth) -> {summary['reward_last_tenth']:.3f} (last tenth); plot {summary['plot']}",
+        f"run folder {summary['run_dir']}: {summary['steps']} steps, training reward "
+        f"{summary['reward_first_tenth']:.3f} (first tenth) -> {summary['reward_last_tenth']:.3f} (last tenth)"
+        f"{held_out}; plot {summary['plot']}",
         highlight=False,
     )
     return 130 if summary.get("interrupted") else 0

@@ -259,7 +259,7 @@ def test_an_eval_that_fails_is_logged_and_counted(capsys, tmp_path, flaky):
                           "trainer.eval_every=1", "trainer.eval_tasks=2")
     assert code == 0, out
     evals = train_rows(tmp_path / "run", "eval")
-    assert [e["step"] for e in evals] == [1, 2]
+    assert [e["step"] for e in evals] == [0, 1, 2]
     assert all("no held-out split" in e["error"] for e in evals)
     assert "every episode failed" in out
 
@@ -320,6 +320,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_good_one(capsys,
     events.Reload()
     steps = [e.step for e in events.Scalars("train/reward_mean")]
     assert steps == [1, 2, 3, 4]  # the re-run step 3 is not there twice
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and not any(t.startswith("train/train/") for t in tags), tags
 
 
 @pytest.mark.parametrize("damage", ["garbage pointer", "missing folder", "every checkpoint truncated"])

@@ -4,6 +4,7 @@ ChatML template (which ignores `tools` and always inserts a default system promp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,13 @@ from relax_gym.rollout.preflight import preflight, report_dict
 from relax_gym.trajectory import read_jsonl
 
 pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = ["--env", "relax/Arithmetic-v0", "--env-arg", "digits=1", "--env-arg", "ops=+"]
+#: examples/configs/smollm2_arithmetic.yaml's task and limits, as `relax-gym eval` flags
+TWO_DIGIT_SUMS = ["--env", "relax/Arithmetic-v0", "--env-arg", "digits=2", "--env-arg", "n_terms=2", "--env-arg",
+                  "ops=+", "--max-new-tokens", "24", "--max-turns", "1", "--max-total-tokens", "192", "-n", "64"]
+#: how much GRPO must raise held-out pass@1 in 10 steps; measured on 2 cores: 0.219 -> 0.609 (+0.39)
+MARGIN = 0.2
 
 
 def test_its_template_is_certified_and_its_ignored_tools_point_to_the_bundled_template(smollm2):
@@ -69,3 +76,22 @@ def test_it_trains_checkpoints_resumes_and_exports_a_folder_plain_transformers_g
                                         return_tensors="pt", return_dict=True)
     text = tokenizer.decode(model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:])
     assert "5" in text, text
+
+
+@pytest.mark.slow
+def test_grpo_teaches_it_two_digit_addition_on_held_out_tasks(smollm2, tmp_path, capsys):
+    """The suite's proof that the whole loop teaches a real model: the real CLI, nothing stubbed, the example
+    config cut to 10 steps (16 episodes each, lr 5e-6), pass@1 on 64 held-out sums before and after."""
+
+    def pass_at_1(model: str) -> float:
+        capsys.readouterr()
+        assert main(["eval", "--model", model, *TWO_DIGIT_SUMS, "--out", str(tmp_path / "eval.jsonl"), "--json"]) == 0
+        return float(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pass_at_1"])
+
+    base = pass_at_1(str(smollm2))
+    run = tmp_path / "run"
+    assert main(["train", str(ROOT / "examples" / "configs" / "smollm2_arithmetic.yaml"), f"run_dir={run}",
+                 f"model={smollm2}", "trainer.total_steps=10", "trainer.checkpoint_every=10",
+                 "trainer.eval_every=0"]) == 0, capsys.readouterr().out
+    after = pass_at_1(str(run))
+    assert after >= base + MARGIN, f"held-out pass@1 {base:.3f} -> {after:.3f}, expected a rise of {MARGIN}"

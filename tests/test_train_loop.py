@@ -56,13 +56,24 @@ def test_a_short_run_leaves_metrics_checkpoints_tensorboard_and_a_plot(tmp_path)
     assert any(r["train/grad_norm"] > 0 for r in rows)
     assert {"wait_rollout_s", "train_s", "weight_sync_s", "staleness", "tokens_per_s"} <= set(rows[0])
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
-    assert [e["step"] for e in evals] == [3]
+    assert [e["step"] for e in evals] == [0, 3]  # the starting model, then every 3 steps
     assert (run / "reward.png").stat().st_size > 0
     assert (run / "checkpoints" / "latest").read_text() == "3"
     assert any((run / "tensorboard").iterdir())
     trajs = (run / "trajectories.jsonl").read_text().splitlines()
     assert len(trajs) == 3 * 4 * 4
     assert summary["steps"] == 3
+
+
+def test_a_run_written_to_a_file_says_its_progress_and_its_checkpoint_size_and_keeps_what_it_is_told(
+        tmp_path, capsys):
+    """Output that is not a terminal gets no progress bar: plain lines instead (the first and last step at least);
+    the first checkpoint's size is stated; `trainer.keep_checkpoints` step folders stay."""
+    train(config(tmp_path, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"))
+    said = capsys.readouterr().out
+    assert "step 1/3: reward" in said and "step 3/3: reward" in said and "s/step" in said, said
+    assert "checkpoint step_1: " in said and "MB (weights and optimizer state)" in said, said
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
 
 
 class SlowGuess(GuessNumberEnv):

@@ -199,8 +199,14 @@ class TrainerSection(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(4096, ge=16)
     checkpoint_every: int = Field(20, ge=1)
+    #: step folders kept under checkpoints/ (the newest ones); each holds the weights and the optimizer state,
+    #: about 12 bytes a parameter in fp32 (1.6 GB for a 135M model): the run says the size at its first save
+    keep_checkpoints: int = Field(3, ge=1)
     eval_every: int = Field(0, ge=0)
     eval_tasks: int = Field(32, ge=1)
+    #: with eval_every: one eval of the starting model before the first step (step 0), so the run's own rows
+    #: hold its before and after (a resumed run has it already)
+    eval_at_start: bool = True
     #: the run stops (exit 1, with the episodes' statuses and reasons) after this many steps in a row
     #: with no trainable sample: such a run cannot learn
     max_steps_without_samples: int = Field(3, ge=1)

@@ -140,8 +140,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self._told_checkpoint_size = False
         self.run_dir = Path(cfg.run_dir)
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         if cfg.trainer.resume == "never" and self.checkpoints.steps():
             raise StartupError(f"run_dir {self.run_dir} holds a run (checkpoint step {self.checkpoints.latest_step()})"
                                " and trainer.resume=never: choose another run_dir, or trainer.resume=auto")
@@ -301,6 +302,8 @@ class Trainer:
         """Resumes from the newest checkpoint, if any, and trains to `total_steps`."""
         await self._resume()
         settle_heap()
+        if self.cfg.trainer.eval_every and self.cfg.trainer.eval_at_start and self.step == 0:
+            await self._eval_logged(0)  # awaited: its episodes all see the starting weights
         if self.cfg.trainer.mode == "sync":
             await self._run_sync()
         else:
@@ -677,10 +680,16 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        self.checkpoints.save(self.backend, self.step, {
+        folder = self.checkpoints.save(self.backend, self.step, {
             "step": self.step, "next_task": self.next_task, "unfinished": list(self.unfinished),
             "bus": self.bus.state() if self.bus is not None else None, "filtered_total": self.filtered,
         })
+        if not self._told_checkpoint_size:
+            self._told_checkpoint_size = True
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            keep = self.cfg.trainer.keep_checkpoints
+            self.log.note(f"checkpoint {folder.name}: {_size(size)} (weights and optimizer state); the newest "
+                          f"{keep} are kept, up to {_size(keep * size)} (trainer.keep_checkpoints)")
 
     async def _resume(self) -> None:
         """Continues from the newest good checkpoint, if any: weights, optimizer, RNG, the task ledger, the data
@@ -764,3 +773,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     backend = make_backend(cfg, load_policy(cfg))
     calls = follow(backend, make_loss_fn(cfg.algorithm.to_algorithm_config()))
     return {"rank": rank, "backend_calls": calls, "version": backend.version}
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"

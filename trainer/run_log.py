@@ -24,6 +24,9 @@ from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.databus import Group, group_staleness
 from relax_gym.trajectory import Trajectory, append_jsonl
 
+#: seconds between the plain progress lines of a run whose output is not a terminal
+PLAIN_PROGRESS_EVERY_S = 30.0
+
 
 class RunLog:
     def __init__(self, run_dir: Path, total_steps: int, *, save_trajectories: bool = True):
@@ -33,6 +36,7 @@ class RunLog:
         self.total_steps = total_steps
         self.start = time.perf_counter()
         self.last_step_time = self.start
+        self._last_plain_line = self.start
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
         self._trajs = self.trajectories_path.open("a", encoding="utf-8") if self.trajectories_path else None
         self._tb = _tensorboard(self.run_dir / "tensorboard")
@@ -50,7 +54,9 @@ class RunLog:
             prefix = record["type"]
             for key, value in _flatten(record).items():
                 if isinstance(value, int | float) and key not in ("step", "type"):
-                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+                    # the optimizer's metrics are already "train/loss" in the record: not "train/train/loss"
+                    tag = key if key.startswith(f"{prefix}/") else f"{prefix}/{key}"
+                    self._tb.add_scalar(tag, value, record["step"])
             self._tb.flush()
 
     def step(self, step: int, groups: list[Group], samples: list[Sample], train: dict[str, float],
@@ -91,6 +97,13 @@ class RunLog:
             kept = [replace(t, routed_experts=None) if t.routed_experts is not None else t for t in trajs]
             append_jsonl(self._trajs, kept, step=step)
         self.progress.update(self._bar, completed=step, status=f"reward {record['reward_mean']:.3f}")
+        if not self.progress.console.is_terminal and (
+                now - self._last_plain_line >= PLAIN_PROGRESS_EVERY_S or step in (1, self.total_steps)):
+            # no bar is drawn when the output is a file or a pipe: a plain line every half minute instead
+            self._last_plain_line = now
+            self.note(f"step {step}/{self.total_steps}: reward {record['reward_mean']:.3f}, "
+                      f"{record['step_time_s']:.1f} s/step, {record['generated_tokens_mean']:.1f} tokens generated "
+                      f"per episode, {now - self.start:.0f} s so far")
         cut = record["truncated_by"].get("max_new_tokens", 0)
         if cut * 2 >= len(trajs) > 0 and not self._warned_max_new_tokens:
             self._warned_max_new_tokens = True
@@ -163,12 +176,16 @@ class RunLog:
         self.progress.update(self._bar, completed=step)
 
     def summary(self) -> dict[str, Any]:
+        """The whole run as metrics.jsonl holds it (every invocation of a resumed run): the training reward's
+        first and last tenth, and the first and last held-out evals ((step, reward) pairs, None without)."""
         rewards = [r["reward_mean"] for r in self.records()]
         tenth = max(1, len(rewards) // 10)
         first = fmean(rewards[:tenth]) if rewards else 0.0
         last = fmean(rewards[-tenth:]) if rewards else 0.0
+        evals = [(r["step"], r["reward_mean"]) for r in self.records("eval") if "reward_mean" in r]
         return {"steps": len(rewards), "reward_first_tenth": first, "reward_last_tenth": last,
-                "improvement": last - first, "run_dir": str(self.run_dir),
+                "improvement": last - first, "eval_first": evals[0] if evals else None,
+                "eval_last": evals[-1] if evals else None, "run_dir": str(self.run_dir),
                 "plot": str(self.run_dir / "reward.png")}
 
     def close(self, plot: bool = True) -> None:
