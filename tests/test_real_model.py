@@ -51,6 +51,29 @@ def test_a_rollout_keeps_its_tokens_and_grades_its_own_answers(smollm2, tmp_path
     assert sum(t.reward for t in trajectories) >= 3  # greedy 1-digit sums: it gets most right (0.78 of 32 here)
 
 
+def test_multi_turn_and_tool_episodes_keep_their_tokens(smollm2, tmp_path, capsys):
+    """GuessNumber (a multi-turn env), and the README's tool env with the bundled chatml-tools template (its own
+    template would drop the schemas): every trajectory's per-token fields line up, and the tool schemas are in
+    the prompt the model saw. The model rambles past a short turn budget, so its episodes end in their first
+    turn here; appending turns with its template is what preflight's multi-turn and tool cases check above."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    guesses = tmp_path / "guess.jsonl"
+    assert main(["rollout", "--model", str(smollm2), "--env", "relax/GuessNumber-v0", "--env-arg", "high=8", "-n", "2",
+                 "--max-new-tokens", "12", "--max-turns", "3", "--out", str(guesses)]) == 0, capsys.readouterr().out
+    played = list(read_jsonl(guesses))
+    assert len(played) == 2
+    for t in played:
+        t.check()
+    shopping = tmp_path / "shopping.jsonl"
+    env = f"{ROOT / 'examples' / 'custom_env.py'}:example/Shopping-v0"
+    assert main(["rollout", "--model", str(smollm2), "--env", env, "--chat-template", "chatml-tools", "-n", "2",
+                 "--max-new-tokens", "24", "--max-turns", "2", "--out", str(shopping)]) == 0, capsys.readouterr().out
+    for t in read_jsonl(shopping):
+        t.check()
+        prompt = tokenizer.decode(t.token_ids[: t.prompt_len])
+        assert "<tools>" in prompt and '"name": "' in prompt, prompt
+
+
 def test_it_trains_checkpoints_resumes_and_exports_a_folder_plain_transformers_generates_from(smollm2, tmp_path,
                                                                                            capsys):
     run = tmp_path / "run"
