@@ -1,0 +1,151 @@
+"""A real pretrained model's engine and trainer speed, each against plain transformers on the same work, in one run.
+
+- engine: for each N of `--requests`, N chat-templated 2-digit sums (the SmolLM2 example's task), `--new-tokens`
+  sampled each (ending early at end of turn), through the embedded engine (continuous batching) against one
+  batched HF `generate` of the same prompts; generated tokens/s and the ratio.
+- trainer: one optimizer step on `--train-seqs` sequences of `--train-len` tokens (the last quarter trained):
+  `TorchBackend.train_step` (GRPO loss) against the plain step a user writes (HF forward with labels, backward,
+  AdamW); tokens/s and the ratio, the median of `--repeats` steps after one warm-up each.
+
+    python benchmarks/real_model.py --model ~/.cache/relax_gym/models/SmolLM2-135M-Instruct
+    python benchmarks/real_model.py --model tiny --requests 4 --new-tokens 8 --train-seqs 2 --train-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import random
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from relax_gym import messages as M
+from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
+from relax_gym.models import LoadedModel, load_model, render_ids
+from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
+from relax_gym.trainer.backends.torch_backend import TorchBackend
+from relax_gym.trainer.batch import Sample
+
+
+def sum_prompts(loaded: LoadedModel, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat-templated prompts "What is A + B? Reply with just the integer." (2-digit A, B)."""
+    rng = random.Random(seed)
+    return [render_ids(loaded, [M.message("user", f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Reply "
+                                                  "with just the integer.")], add_generation_prompt=True)
+            for _ in range(n)]
+
+
+async def engine_tokens_per_s(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> float:
+    await engine.generate(replace(requests[0], sampling=replace(requests[0].sampling, max_new_tokens=2)))  # warm-up
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
+    return sum(len(o.output_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_tokens: int, stop: list[int]) -> float:
+    """One left-padded batch through `model.generate`, sampled at temperature 1; tokens up to each row's stop."""
+    model, pad = loaded.model, loaded.tokenizer.pad_token_id or 0
+    width = max(map(len, ids))
+    batch = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+    kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "pad_token_id": pad,
+              "eos_token_id": stop}
+    with torch.no_grad():
+        model.generate(batch[:1], attention_mask=mask[:1], max_new_tokens=2, **kwargs)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens, **kwargs)
+        elapsed = time.perf_counter() - start
+    generated = 0
+    for row in out[:, width:].tolist():
+        ends = [i for i, token in enumerate(row) if token in stop]
+        generated += ends[0] + 1 if ends else len(row)
+    return generated / elapsed
+
+
+def train_samples(n: int, length: int, vocab: int) -> list[Sample]:
+    generator = torch.Generator().manual_seed(1)
+    trained = max(1, length // 4)
+    return [Sample(token_ids=torch.randint(100, vocab, (length,), generator=generator).tolist(),
+                   loss_mask=[0] * (length - trained) + [1] * trained,
+                   rollout_logprobs=[0.0] * (length - trained) + [-1.0] * trained, advantage=1.0 if i % 2 else -1.0)
+            for i in range(n)]
+
+
+def backend_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int) -> float:
+    backend = TorchBackend(replace(loaded, model=copy.deepcopy(loaded.model)), lr=1e-6, device="cpu",
+                           micro_batch_tokens=sum(len(s.token_ids) for s in samples))
+    loss_fn = make_loss_fn(AlgorithmConfig())
+    backend.train_step(samples, loss_fn)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.train_step(samples, loss_fn)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def plain_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int) -> float:
+    """The loop a user writes with transformers alone: forward with labels on the trained tokens, backward,
+    gradient clipping, AdamW."""
+    model = copy.deepcopy(loaded.model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.tensor([s.token_ids for s in samples])
+    labels = ids.masked_fill(torch.tensor([s.loss_mask for s in samples]) == 0, -100)
+
+    def step() -> None:
+        model(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a name or folder load_model takes")
+    parser.add_argument("--requests", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--train-seqs", type=int, default=8)
+    parser.add_argument("--train-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    print(f"{loaded.name}: {params / 1e6:.1f}M parameters, {args.threads} threads\n")
+    print("| part | work | relax-gym | plain transformers | ratio |\n|---|---|---:|---:|---:|")
+    engine = EmbeddedEngine(replace(loaded, model=copy.deepcopy(loaded.model)), max_batch_size=max(args.requests))
+    stop = sorted(engine.eos_token_ids)
+    try:
+        for n in args.requests:
+            ids = sum_prompts(loaded, n)
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+            requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
+            ours = asyncio.run(engine_tokens_per_s(engine, requests))
+            theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
+            print(f"| engine | N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} tokens/s | {theirs:,.1f} "
+                  f"tokens/s (HF generate) | {ours / theirs:.2f}x |", flush=True)
+    finally:
+        asyncio.run(engine.close())
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    samples = train_samples(args.train_seqs, args.train_len, vocab)
+    tokens = args.train_seqs * args.train_len
+    ours_s, theirs_s = backend_step_s(loaded, samples, args.repeats), plain_step_s(loaded, samples, args.repeats)
+    print(f"| trainer | {args.train_seqs} x {args.train_len} tokens, one AdamW step | {tokens / ours_s:,.0f} tokens/s "
+          f"| {tokens / theirs_s:,.0f} tokens/s (forward with labels, backward, AdamW) | {theirs_s / ours_s:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
