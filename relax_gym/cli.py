@@ -244,6 +244,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from relax_gym.trainer.sft import check_out, sft, sft_data
+
+    check_out(args.out)  # before minutes of loading and reading
+    loaded = _load(args)
+    data = sft_data(args.data, loaded.model.get_input_embeddings().num_embeddings, args.min_reward)
+    console.print(f"sft: {len(data.samples)} of {data.read} trajectories kept"
+                  + (f" (left out: {data.left_out})" if data.left_out else ""), highlight=False)
+    result = sft(loaded, data, args.out, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
+                 micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
+                 say=lambda line: console.print(line, highlight=False))
+    console.print(f"wrote {result['out']}: {result['steps']} steps, loss {result['loss_first']:.4f} -> "
+                  f"{result['loss_last']:.4f}; train from it with model={result['out']}", highlight=False,
+                  soft_wrap=True)
+    return 0
+
+
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
@@ -482,6 +499,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE", help="env kwarg (repeatable)")
     _template_flags(p)
     p.set_defaults(func=cmd_eval, group_size=None)
+
+    p = sub.add_parser("sft", help="fine-tune a model on trajectory files (demonstrations, or rollouts kept by reward)")
+    p.add_argument("data", nargs="+", metavar="TRAJECTORIES.jsonl",
+                   help="what `relax-gym rollout` or a run's trajectories.jsonl holds")
+    p.add_argument("--model", default="tiny", help="as `rollout --model` takes it")
+    p.add_argument("--out", required=True, help="the fine-tuned model folder (new or empty)")
+    p.add_argument("--min-reward", type=float, default=None,
+                   help="keep only episodes with at least this reward (rejection sampling); default: every "
+                        "completed one")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--batch", type=int, default=16, help="trajectories per optimizer step")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    _template_flags(p)
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("view", help="render trajectories as an HTML page")
     p.add_argument("jsonl")

@@ -6,7 +6,7 @@
 from relax_gym.trainer.algorithms.advantages import filter_uniform_groups, group_advantages, one_group_advantages
 from relax_gym.trainer.algorithms.aggregate import AGGREGATIONS, Aggregation, aggregate, masked
 from relax_gym.trainer.algorithms.corrections import importance_mask, truncated_importance_weights
-from relax_gym.trainer.algorithms.loss_fn import Algorithm, AlgorithmConfig, make_loss_fn
+from relax_gym.trainer.algorithms.loss_fn import Algorithm, AlgorithmConfig, make_loss_fn, sft_loss_fn
 from relax_gym.trainer.algorithms.losses import (
     KLKind,
     distillation_token_loss,
@@ -36,5 +36,6 @@ __all__ = [
     "masked",
     "one_group_advantages",
     "sapo_token_loss",
+    "sft_loss_fn",
     "truncated_importance_weights",
 ]

@@ -153,3 +153,17 @@ def make_loss_fn(cfg: AlgorithmConfig) -> LossFn:
         return loss, {name: value.item() for name, value in report.items()}
 
     return loss_fn
+
+
+def sft_loss_fn(aggregation: Aggregation = "token-mean") -> LossFn:
+    """Supervised fine-tuning on trajectories: the negative log-likelihood of their trained tokens (the policy's
+    turns, under the same loss masks as RL), aggregated as RL's loss is. Advantages and the logprobs the
+    demonstrations were sampled with are not read."""
+
+    def loss_fn(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb.mask.bool()
+        nll = aggregate(-masked(mb.logprobs, mask), mask, mode=aggregation, step_tokens=mb.step_tokens,
+                        step_sequences=mb.step_sequences)
+        return nll, {"loss": float(nll.detach())}
+
+    return loss_fn

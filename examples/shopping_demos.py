@@ -1,0 +1,70 @@
+"""Demonstrations of the README's tool env (`example/Shopping-v0`), played by `ScriptedEngine` through the real
+rollout manager, for `relax-gym sft`: a model that never calls a tool learns the format from them, then RL
+improves it.
+
+    python examples/shopping_demos.py --model MODEL --chat-template chatml-tools -n 64 --out demos.jsonl
+    relax-gym sft demos.jsonl --model MODEL --chat-template chatml-tools --out warm
+
+Each demonstration looks every item's price up in one turn of tool calls, then answers the sum: the tokens are
+the model's own tokenizer's, rendered by the template it will be trained and run with, on training seeds
+(0..n-1; held-out evals draw theirs from `EVAL_SEED_OFFSET`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+from pathlib import Path
+
+from relax_gym.engines import ScriptedEngine
+from relax_gym.models import LoadedModel, load_model
+from relax_gym.registration import resolve_env_id
+from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.tools import tool_format_for
+from relax_gym.trajectory import write_jsonl
+
+#: the README's tool env, registered by the file beside this one
+ENV = f"{Path(__file__).resolve().parent / 'custom_env.py'}:example/Shopping-v0"
+ITEMS = re.compile(r"What do (.+?) cost together\?")
+PRICE = re.compile(r"<tool_response>\s*(\d+)\s*</tool_response>")
+
+
+def replies(loaded: LoadedModel):
+    """Turn 0: a `price` call per item of the question; turn 1: the sum of the prices the tools answered."""
+    calls = tool_format_for(loaded.tokenizer)
+
+    def reply(turn) -> str:
+        if turn.turn == 0:
+            items = ITEMS.findall(turn.text)[-1].split(", ")
+            return calls.write_calls([("price", {"item": item}) for item in items])
+        return f"<answer>{sum(int(p) for p in PRICE.findall(turn.text))}</answer>"
+
+    return reply
+
+
+async def demonstrations(loaded: LoadedModel, n: int, out: Path) -> int:
+    manager = RolloutManager(ScriptedEngine(loaded, replies(loaded)), loaded,
+                             limits=RolloutLimits(max_turns=4, max_total_tokens=2048))
+    try:
+        played = await manager.run(resolve_env_id(ENV), n, 1)
+    finally:
+        await manager.close()
+    solved = [t for t in played if t.status == "completed" and t.reward == 1.0]
+    return write_jsonl(solved, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--chat-template", default=None, help="as `relax-gym sft --chat-template` will get it")
+    parser.add_argument("-n", type=int, default=64)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    loaded = load_model(args.model, chat_template=args.chat_template)
+    written = asyncio.run(demonstrations(loaded, args.n, args.out))
+    print(f"wrote {written} solved demonstrations of {args.n} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
