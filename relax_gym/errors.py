@@ -67,3 +67,10 @@ class StartupError(ValueError):
 
 class RunStopped(RuntimeError):
     """A started run cannot go on (it cannot learn, or its engine is gone); what it made so far is kept."""
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of `err`'s message, cut at `limit` characters: what a one-line error quotes of a cause
+    (a library's exception can run to pages)."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else "(no message)"

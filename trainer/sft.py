@@ -19,7 +19,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from relax_gym.errors import StartupError
+from relax_gym.errors import StartupError, first_line
 from relax_gym.models import LoadedModel, save_model
 from relax_gym.trainer.algorithms import sft_loss_fn
 from relax_gym.trainer.batch import Sample
@@ -51,7 +51,7 @@ def sft_data(paths: Sequence[str | Path], vocab_size: int, min_reward: float | N
             trajectories: list[Trajectory] = list(read_jsonl(path))
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise StartupError(f"sft data {path}: cannot read it as trajectories: {type(err).__name__}: "
-                               f"{str(err).splitlines()[0][:200] if str(err) else '(no message)'}") from None
+                               f"{first_line(err, 200)}") from None
         for line, t in enumerate(trajectories, start=1):
             read += 1
             if t.token_ids and max(t.token_ids) >= vocab_size:

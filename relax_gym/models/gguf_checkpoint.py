@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from relax_gym.errors import first_line
+
 #: what installs the reader transformers needs for GGUF (`gguf`, and `accelerate` for its loading path)
 GGUF_EXTRA = "pip install 'relax-gym[gguf]'"
 
@@ -49,7 +51,7 @@ def load_gguf(file: Path, dtype: torch.dtype | None = None) -> tuple[PreTrainedM
                                                          dtype=dtype or torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
     except Exception as err:  # the gguf reader and transformers fail in many types (struct, Value, Key, OSError...)
-        raise GGUFError(f"{file}: cannot load it as GGUF: {type(err).__name__}: {_first_line(err)}") from err
+        raise GGUFError(f"{file}: cannot load it as GGUF: {type(err).__name__}: {first_line(err)}") from err
     return dequantized(quantized), tokenizer
 
 
@@ -63,8 +65,3 @@ def dequantized(model: PreTrainedModel) -> PreTrainedModel:
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
     return plain.to(next(model.parameters()).dtype).eval()  # type: ignore[arg-type]  # @wraps-typed `to`
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"

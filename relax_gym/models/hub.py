@@ -11,6 +11,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from relax_gym.errors import first_line
+
 #: ORG/NAME as the hub spells repo ids, then an optional @REVISION (a branch, tag or commit)
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
 #: the files a checkpoint folder needs here (`relax_gym.models.loading`)
@@ -37,14 +47,6 @@ def hub_snapshot(name: str) -> Path:
     if parsed is None:
         raise HubModelError(f"{name!r} is not spelled as one (ORG/NAME or ORG/NAME@REVISION)")
     repo, revision = parsed
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     cache = constants.HF_HUB_CACHE
     fixes = (f"download it where the hub is reachable (`hf download {repo}"
              f"{f' --revision {revision}' if revision else ''}`, into the same cache) or pass a local checkpoint "
@@ -60,10 +62,10 @@ def hub_snapshot(name: str) -> Path:
     except LocalEntryNotFoundError as err:
         cause = err.__cause__ or err.__context__
         reached = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else (
-            f"the hub could not be reached ({type(cause).__name__}: {str(cause).splitlines()[0][:120]})"
+            f"the hub could not be reached ({type(cause).__name__}: {first_line(cause, 120)})"
             if cause is not None else "the hub could not be reached")
         where = f"revision {revision!r} of {repo}" if revision else repo
         why = f"{where} is not in the Hugging Face cache at {cache} and {reached}: {fixes}"
     except (OSError, ValueError) as err:  # a disk error writing the cache, a malformed revision
-        why = f"{repo} could not be fetched into {cache}: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        why = f"{repo} could not be fetched into {cache}: {type(err).__name__}: {first_line(err, 200)}"
     raise HubModelError(why)

@@ -32,7 +32,7 @@ from transformers import (
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 from transformers.utils import logging as hf_logging
 
-from relax_gym.errors import StartupError
+from relax_gym.errors import StartupError, first_line
 from relax_gym.models.chat_template import BUNDLED_TEMPLATES
 from relax_gym.models.gguf_checkpoint import GGUFError, gguf_file, load_gguf
 from relax_gym.models.hub import HubModelError, hub_snapshot, parse_hub_id
@@ -197,7 +197,7 @@ def use_chat_template(loaded: LoadedModel, path: str | Path) -> None:
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise ModelLoadError(f"chat template {path}: cannot read it: {type(err).__name__}: "
-                                 f"{_first_line(err)} (bundled templates, by name: "
+                                 f"{first_line(err)} (bundled templates, by name: "
                                  f"{', '.join(BUNDLED_TEMPLATES)})") from None
     if not template.strip():
         raise ModelLoadError(f"chat template {path}: the file is empty")
@@ -233,7 +233,7 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, SafetensorError) as err:
         # transformers reports a bad folder in many types (empty config: ValueError, no weights: OSError,
         # a truncated safetensors file: SafetensorError, a RuntimeError); the user needs one line
-        raise ModelLoadError(f"model folder {path}: cannot load it: {type(err).__name__}: {_first_line(err)}") from err
+        raise ModelLoadError(f"model folder {path}: cannot load it: {type(err).__name__}: {first_line(err)}") from err
 
 
 def _hub_folder(name: str, path: Path) -> Path:
@@ -270,11 +270,6 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"
 
 
 #: a folder needs one of these for its tokenizer: without any, AutoTokenizer makes an empty one and says nothing
