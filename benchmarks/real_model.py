@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 
 import torch
+from gpu_path import engine_tokens_per_s
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
@@ -37,13 +38,6 @@ def sum_prompts(loaded: LoadedModel, n: int, seed: int = 0) -> list[list[int]]:
     return [render_ids(loaded, [M.message("user", f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Reply "
                                                   "with just the integer.")], add_generation_prompt=True)
             for _ in range(n)]
-
-
-async def engine_tokens_per_s(engine: EmbeddedEngine, requests: list[GenerateRequest]) -> float:
-    await engine.generate(replace(requests[0], sampling=replace(requests[0].sampling, max_new_tokens=2)))  # warm-up
-    start = time.perf_counter()
-    outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
-    return sum(len(o.output_ids) for o in outputs) / (time.perf_counter() - start)
 
 
 def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_tokens: int, stop: list[int]) -> float:

@@ -129,14 +129,15 @@ class RunLog:
     def eval(self, version: int, results: dict[str, list[Trajectory]]) -> dict[str, float]:
         """One eval row; an env whose every episode failed or aborted gets an `error` beside its (zero) score, so a
         broken eval is never mistaken for a model that scores 0."""
-        scores = {env: fmean(t.reward for t in r) for env, r in results.items() if r}
+        # what `relax-gym eval` reports for the same tasks; the row's scores and statuses are read off it
+        reports = {env: eval_report(env, r) for env, r in results.items() if r}
+        scores = {env: report.reward_mean for env, report in reports.items()}
         broken = {env: status_breakdown(r) for env, r in results.items()
                   if r and all(t.status in ("failed", "aborted") for t in r)}
         record: dict[str, Any] = {"type": "eval", "step": version,
                                   "reward_mean": fmean(scores.values()) if scores else 0.0, "reward_per_env": scores,
-                                  "status": {env: dict(Counter(t.status for t in r)) for env, r in results.items()},
-                                  # what `relax-gym eval` prints for the same tasks: pass@1 and its interval, ...
-                                  "per_env": {env: eval_report(env, r).row() for env, r in results.items() if r}}
+                                  "status": {env: reports[env].status if env in reports else {} for env in results},
+                                  "per_env": {env: report.row() for env, report in reports.items()}}
         if broken:
             record["error"] = "; ".join(f"{env}: {why}" for env, why in broken.items())
         self._write(record)

@@ -282,14 +282,14 @@ class EmbeddedEngine:
             dtype = torch.bfloat16 if device.type == "cuda" else None
             loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps-typed `to`
         self.model = loaded.model.eval()
-        if next(self.model.parameters()).device.type == "cuda":
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.device = next(self.model.parameters()).device
+        if self.device.type == "cuda":
             # cuDNN's attention builds a graph for each new sequence length, so a decode step, one token longer
             # than the last, pays it every layer of every step (on an H100: 2 ms of CPU a layer, two thirds of a
             # step); flash and memory-efficient attention have no such cost. Process-wide, as torch's flag is.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.max_batch_size = max_batch_size
-        self.batch_window_s = batch_window_s
-        self.device = next(self.model.parameters()).device
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_token_ids = loaded.stop_token_ids()
         self.placeholder_token_ids = self._placeholder_ids()
