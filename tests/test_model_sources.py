@@ -4,6 +4,7 @@ written as llama.cpp writes one, and each bad input of that surface ending in on
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from engine_support import KEY, free_port
+from engine_support import KEY, free_port, get
 from gguf_support import tiny_llama, write_gguf
 from huggingface_hub import constants
 
@@ -108,8 +109,7 @@ def test_serve_takes_a_hub_id_from_the_cache_named_by_the_environment(hub_cache)
         for _ in range(600):
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
             try:
-                info = httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=2,
-                                 headers={"Authorization": f"Bearer {KEY}"})
+                info = get(f"http://127.0.0.1:{port}/get_model_info", timeout=2)
                 if info.status_code == 200:
                     break
             except httpx.HTTPError:
@@ -208,8 +208,8 @@ def test_a_bad_gguf_is_one_line_naming_the_file_and_the_cause(case, tmp_path, mo
         cause = "holds 2 GGUF files (model.gguf, other.gguf)"
     else:
         write_gguf(tiny_llama(), file)
-        real = __import__("importlib.util").util.find_spec
-        monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
         cause = "pip install 'relax-gym[gguf]'"
     code = main(["rollout", "--env", "relax/Arithmetic-v0", "--model", str(file), "-n", "1",
                  "--out", str(tmp_path / "x.jsonl")])
