@@ -121,15 +121,18 @@ def served_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def model_folder(model: str, device: str) -> str:
-    """`model` as `load_model` takes it: a shape of `SHAPES` (not tiny) is built and saved in the served dtype."""
-    if model not in SHAPES or model == "tiny":
-        return model
-    loaded = build(model, device)
+def shape_folder(shape: str, device: str) -> str:
+    """A random-weight model of `shape` (`gpu_path.SHAPES`), saved in the served dtype to a temporary folder."""
+    loaded = build(shape, device)
     loaded.model.to(served_dtype(device))
-    folder = Path(tempfile.mkdtemp(prefix="serve-path-model-")) / model
+    folder = Path(tempfile.mkdtemp(prefix="serve-path-model-")) / shape
     save_model(loaded, folder)
     return str(folder)
+
+
+def model_folder(model: str, device: str) -> str:
+    """`model` as `load_model` takes it: a shape of `SHAPES` (not tiny, a name `load_model` knows) is saved."""
+    return shape_folder(model, device) if model in SHAPES and model != "tiny" else model
 
 
 def concurrency(args: argparse.Namespace) -> list[str]:
@@ -187,12 +190,8 @@ def weight_sync(args: argparse.Namespace) -> list[str]:
     weights = {k: v.detach().clone() for k, v in loaded.model.state_dict().items()}
     gigabytes = sum(t.numel() * t.element_size() for t in weights.values()) / 1e9
     folder = Path(tempfile.mkdtemp(prefix="serve-path-"))
-    served = build(args.sync_shape, args.device)
-    served.model.to(dtype)
-    save_model(served, folder / "model")
-    del served
     # base64 safetensors of the whole model in one body: over serve's default 32 MB cap (max_body_mb)
-    process, url = start_serve(str(folder / "model"), "--device", args.device,
+    process, url = start_serve(shape_folder(args.sync_shape, args.device), "--device", args.device,
                                "--max-body-mb", str(int(3 * gigabytes * 1000) + 64))
     times: dict[str, list[float]] = {name: [] for name in args.strategies}
     failures: dict[str, str] = {}
