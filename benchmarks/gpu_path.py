@@ -25,9 +25,9 @@ code, nothing downloaded), on `--device` (default: the GPU if there is one), it 
     python benchmarks/gpu_path.py --shape qwen3-1.7b --requests 64 256 --parts engine   # the engine alone
 
 `--parts` picks what runs: `engine` (tokens/s, the logprob gap, weight sync), `train` (trainer tokens/s and
-MFU), `longest`; Megatron by `--megatron`. `--profile` prints torch.profiler's top operators of the engine's
-run at the first N. The models are built on `--device` directly (a random init of
-billions of parameters on a CPU takes minutes).
+MFU), `longest`; Megatron by `--megatron`. `--profile` times a decode step at the first N (the engine's own
+batch and sampler, run on the main thread) and prints torch.profiler's top operators over 16 of them. The
+models are built on `--device` directly (a random init of billions of parameters on a CPU takes minutes).
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def clone(loaded: LoadedModel) -> LoadedModel:
     return replace(loaded, model=copy.deepcopy(loaded.model).eval())
 
 
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """n rows of `length` random ids of a `vocab`-token vocabulary, clear of its low (often special) ids."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1000, VOCAB, (n, length), generator=generator).tolist()
+    return torch.randint(min(1000, vocab // 2), vocab, (n, length), generator=generator).tolist()
 
 
 def synchronize(device: torch.device) -> None:
@@ -149,11 +150,12 @@ def gap_rows(label: str, gaps: torch.Tensor) -> list[tuple[str, str]]:
     return [(f"{label}, mean", f"{gaps.mean():.2e}"), (f"{label}, max", f"{gaps.max():.2e}")]
 
 
-def train_samples(n: int, length: int) -> list[Sample]:
+def train_samples(n: int, length: int, vocab: int = VOCAB) -> list[Sample]:
+    """n random sequences of `length` tokens, the last quarter trained, advantages alternating +-1."""
     trained = max(1, length // 4)
     return [Sample(token_ids=ids, loss_mask=[0] * (length - trained) + [1] * trained,
                    rollout_logprobs=[0.0] * (length - trained) + [-1.0] * trained, advantage=1.0 if i % 2 else -1.0)
-            for i, ids in enumerate(prompts(n, length, seed=1))]
+            for i, ids in enumerate(prompts(n, length, seed=1, vocab=vocab))]
 
 
 def longest_trainable(backend: TorchBackend, loss_fn: Any, limit: int) -> int:

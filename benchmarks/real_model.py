@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 
 import torch
-from gpu_path import engine_tokens_per_s
+from gpu_path import engine_tokens_per_s, train_samples
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
@@ -58,15 +58,6 @@ def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_toke
         ends = [i for i, token in enumerate(row) if token in stop]
         generated += ends[0] + 1 if ends else len(row)
     return generated / elapsed
-
-
-def train_samples(n: int, length: int, vocab: int) -> list[Sample]:
-    generator = torch.Generator().manual_seed(1)
-    trained = max(1, length // 4)
-    return [Sample(token_ids=torch.randint(100, vocab, (length,), generator=generator).tolist(),
-                   loss_mask=[0] * (length - trained) + [1] * trained,
-                   rollout_logprobs=[0.0] * (length - trained) + [-1.0] * trained, advantage=1.0 if i % 2 else -1.0)
-            for i in range(n)]
 
 
 def backend_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int) -> float:
