@@ -355,11 +355,17 @@ class MegatronBackend:
             written.append(path / "meta.pt")
             torch.save({"format": CHECKPOINT_FORMAT, "version": self.version, "layout": self._layout(),
                         "extra": extra}, written[-1])
+        unsafe = None
+        try:  # before the barrier: once every rank passes it, rank 0 may move the folder (CheckpointManager renames
+            for file in written:  # `.step_N.partial`), and a rank still reading its own files found them gone
+                check_saved(file)
+        except ValueError as err:
+            unsafe = err
         dist.barrier()
-        if hf_error is not None:
+        if hf_error is not None:  # raised after the barrier: a rank that raises leaves none waiting
             raise hf_error
-        for file in written:  # after the barrier: a rank that raises leaves none waiting
-            check_saved(file)
+        if unsafe is not None:
+            raise unsafe
 
     def _save_hf(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
         """`save_pretrained` of an HF model of the trained config holding `weights` (built without memory)."""
