@@ -55,23 +55,35 @@ def test_a_report_counts_full_credit_as_a_pass_and_a_failed_episode_never():
         eval_report("env", trajectories[:3], k=1)
 
 
-def test_eval_of_a_runs_checkpoint_gives_the_runs_own_eval_row(tmp_path, capsys):
-    """The run's eval at step 2 and `relax-gym eval` of its step-2 checkpoint: the same tasks, the same answers."""
+@pytest.mark.parametrize(("samples", "temperature"), [(1, 0.0), (3, 0.5)], ids=["greedy", "sampled"])
+def test_eval_of_a_runs_checkpoint_gives_the_runs_own_eval_row(samples, temperature, tmp_path, capsys):
+    """The run's eval at step 2 and `relax-gym eval` of its step-2 checkpoint: the same tasks, the same answers,
+    greedy (the default) or sampled (`trainer.eval_samples` at `trainer.eval_temperature`, the same draws)."""
     run = tmp_path / "run"
     assert main(["train", str(ROOT / "examples" / "configs" / "quickstart.yaml"), f"run_dir={run}",
                  "trainer.total_steps=2", "trainer.mode=sync", "trainer.max_staleness=0", "trainer.checkpoint_every=2",
                  "trainer.eval_every=2", "trainer.eval_tasks=16", "rollout.groups_per_step=2",
-                 "rollout.group_size=4"]) == 0
+                 "rollout.group_size=4", f"trainer.eval_samples={samples}",
+                 f"trainer.eval_temperature={temperature}"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in rows if r.get("type") == "eval" and r["step"] == 2)["per_env"]["relax/Arithmetic-v0"]
     capsys.readouterr()
     out = tmp_path / "eval.jsonl"
-    assert main(["eval", "--model", str(run), *QUICKSTART_TASK, "-n", "16", "--out", str(out), "--json"]) == 0
+    assert main(["eval", "--model", str(run), *QUICKSTART_TASK, "-n", "16", "--samples", str(samples),
+                 "--temperature", str(temperature), "--out", str(out), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("tasks", "pass_at_1", "pass_at_1_ci", "reward_mean", "status", "generated_tokens_mean"):
+    for key in ("tasks", "samples_per_task", "pass_at_1", "pass_at_1_ci", "reward_mean", "status",
+                "generated_tokens_mean"):
         assert got[key] == logged[key], key
     seeds = sorted(json.loads(line)["seed"] for line in out.read_text().splitlines())
-    assert seeds == [EVAL_SEED_OFFSET + i for i in range(16)]
+    assert seeds == sorted([EVAL_SEED_OFFSET + i for i in range(16)] * samples)
+
+
+def test_a_config_refuses_several_greedy_eval_samples():
+    from relax_gym.trainer.config import load_config
+
+    with pytest.raises(ValueError, match="one greedy answer repeated"):
+        load_config(ROOT / "examples" / "configs" / "quickstart.yaml", ["trainer.eval_samples=4"])
 
 
 def test_eval_samples_k_per_task_and_says_what_it_found(tmp_path, capsys):

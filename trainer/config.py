@@ -204,6 +204,11 @@ class TrainerSection(_Strict):
     keep_checkpoints: int = Field(3, ge=1)
     eval_every: int = Field(0, ge=0)
     eval_tasks: int = Field(32, ge=1)
+    #: held-out episodes per task and their sampling temperature: greedy (0, one sample) by default, as
+    #: `relax-gym eval` runs; the training temperature with a few samples measures the policy RL trains
+    #: (pass@1 is then the mean over the samples)
+    eval_samples: int = Field(1, ge=1)
+    eval_temperature: float = Field(0.0, ge=0)
     #: with eval_every: one eval of the starting model before the first step (step 0), so the run's own rows
     #: hold its before and after (a resumed run has it already)
     eval_at_start: bool = True
@@ -241,6 +246,9 @@ class TrainConfig(_Strict):
         if self.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 is greedy decoding, which cannot be trained on (the trainer "
                              "takes logprobs at the rollout temperature); use rollout.temperature > 0")
+        if self.trainer.eval_samples > 1 and self.trainer.eval_temperature == 0:
+            raise ValueError(f"trainer.eval_samples={self.trainer.eval_samples} at trainer.eval_temperature=0 is "
+                             "one greedy answer repeated; set trainer.eval_temperature > 0 (e.g. the rollout's)")
         if self.trainer.own_process and self.cluster is not None:
             raise ValueError("trainer.own_process with a cluster: section: a cluster run's trainer is already a "
                              "process of its own (a Ray actor); drop trainer.own_process")

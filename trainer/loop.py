@@ -664,16 +664,19 @@ class Trainer:
             self.log.eval_error(version, f"{type(err).__name__}: {err}")
 
     async def evaluate(self, version: int) -> dict[str, float]:
-        """Greedy episodes on held-out tasks (eval kwargs, seeds disjoint from training's)."""
+        """Episodes on held-out tasks (eval kwargs, seeds disjoint from training's), greedy unless
+        `trainer.eval_temperature` says otherwise."""
         cfg = self.cfg
-        manager = RolloutManager(self.engine, self.loaded, sampling=replace(self.sampling, temperature=0.0),
-                                 limits=self.manager.limits, max_concurrency=cfg.rollout.concurrency)
+        sampling = replace(self.sampling, temperature=cfg.trainer.eval_temperature)
+        manager = RolloutManager(self.engine, self.loaded, sampling=sampling, limits=self.manager.limits,
+                                 max_concurrency=cfg.rollout.concurrency,
+                                 sampling_seed=EVAL_SEED_OFFSET)  # a sampled eval draws as `relax-gym eval` does
         results: dict[str, list[Any]] = {}
         try:
             for env_id, env in zip(self.env_ids, cfg.envs, strict=True):
                 kwargs = {**env.kwargs, **env.eval_kwargs}
-                results[env_id] = await manager.run(env_id, cfg.trainer.eval_tasks, 1, seed=EVAL_SEED_OFFSET,
-                                                    env_kwargs=kwargs)
+                results[env_id] = await manager.run(env_id, cfg.trainer.eval_tasks, cfg.trainer.eval_samples,
+                                                    seed=EVAL_SEED_OFFSET, env_kwargs=kwargs)
         finally:
             await manager.close()
         return self.log.eval(version, results)

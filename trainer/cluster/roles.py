@@ -24,6 +24,7 @@ from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.router import EngineRouter
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.registration import resolve_env_id
+from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.trainer.backends.base import LogprobOutput
 from relax_gym.trainer.batch import LossFn, Sample
@@ -222,7 +223,10 @@ class RolloutWorker:
                                       max_concurrency=r.concurrency, sampling_seed=cfg.seed,
                                       routed_experts=cfg.algorithm.routing_replay)
         self.eval_manager = RolloutManager(self.router, loaded, limits=r.limits(), max_concurrency=r.concurrency,
-                                           sampling=replace(r.sampling_params(), temperature=0.0))
+                                           sampling=replace(r.sampling_params(),
+                                                            temperature=cfg.trainer.eval_temperature),
+                                           sampling_seed=EVAL_SEED_OFFSET)  # draws as `relax-gym eval` does
+        self.eval_samples = cfg.trainer.eval_samples
         self.progress = Progress()
         settle_heap()
 
@@ -244,10 +248,10 @@ class RolloutWorker:
             self.progress.end()
 
     async def run_eval(self, env_id: str, n_tasks: int, seed: int, env_kwargs: dict[str, Any]) -> list[Trajectory]:
-        """Greedy episodes, one per task (held-out evaluation)."""
+        """Held-out evaluation: `trainer.eval_samples` episodes per task at `trainer.eval_temperature`."""
         self.progress.begin()
         try:
-            return await self.eval_manager.run(env_id, n_tasks, 1, seed=seed, env_kwargs=env_kwargs)
+            return await self.eval_manager.run(env_id, n_tasks, self.eval_samples, seed=seed, env_kwargs=env_kwargs)
         finally:
             self.progress.end()
 
