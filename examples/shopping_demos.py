@@ -2,12 +2,14 @@
 rollout manager, for `relax-gym sft`: a model that never calls a tool learns the format from them, then RL
 improves it.
 
-    python examples/shopping_demos.py --model MODEL --chat-template chatml-tools -n 64 --out demos.jsonl
-    relax-gym sft demos.jsonl --model MODEL --chat-template chatml-tools --out warm
+    python examples/shopping_demos.py --model MODEL --chat-template chatml-tools -n 32 --out demos.jsonl
+    relax-gym sft demos.jsonl --model MODEL --chat-template chatml-tools --epochs 1 --lr 5e-5 --out warm
 
-Each demonstration looks every item's price up in one turn of tool calls, then answers the sum: the tokens are
-the model's own tokenizer's, rendered by the template it will be trained and run with, on training seeds
-(0..n-1; held-out evals draw theirs from `EVAL_SEED_OFFSET`).
+(the README's ladder on SmolLM2-135M-Instruct: held-out pass@1 0 -> 0.31 from these, -> 0.52 after RL).
+Each demonstration looks every item's price up in one turn of tool calls, then writes the sum out and answers
+it (answering the bare total taught SmolLM2 the format but left its sums wrong: 0.28 greedy against 0.62
+with the sum written out). The tokens are the model's own tokenizer's, rendered by the template it will be
+trained and run with, on training seeds (0..n-1; held-out evals draw theirs from `EVAL_SEED_OFFSET`).
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ PRICE = re.compile(r"<tool_response>\s*(\d+)\s*</tool_response>")
 
 
 def replies(loaded: LoadedModel):
-    """Turn 0: a `price` call per item of the question; turn 1: the sum of the prices the tools answered."""
+    """Turn 0: a `price` call per item of the question; turn 1: the prices the tools answered, added up in the
+    open before the answer (a small model sums better written out than in its head)."""
     calls = tool_format_for(loaded.tokenizer)
 
     def reply(turn) -> str:
         if turn.turn == 0:
             items = ITEMS.findall(turn.text)[-1].split(", ")
             return calls.write_calls([("price", {"item": item}) for item in items])
-        return f"<answer>{sum(int(p) for p in PRICE.findall(turn.text))}</answer>"
+        prices = PRICE.findall(turn.text)
+        return f"{' + '.join(prices)} = {sum(map(int, prices))}. <answer>{sum(map(int, prices))}</answer>"
 
     return reply
 
