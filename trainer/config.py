@@ -11,28 +11,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relax_gym.cpu_threads import ThreadPlacement, check_cores
-from relax_gym.engines.base import SamplingParams, is_loopback
-from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching, engine_device
-from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
 from relax_gym.errors import StartupError
-from relax_gym.rollout.manager import MAX_CONCURRENCY, RolloutLimits
+from relax_gym.rollout.config import RolloutConfig, StrictSection
 from relax_gym.trainer.algorithms import AlgorithmConfig
 from relax_gym.trainer.cluster.config import ClusterSection
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelSection(_Strict):
+class ModelSection(StrictSection):
     """The policy model; `model: DIR` is shorthand for `model: {path: DIR}`."""
 
-    #: tiny | tiny-vl | tiny-audio | a local HF checkpoint folder (a run's checkpoints/step_N or latest too)
+    #: a local HF checkpoint folder (a run folder, its checkpoints/step_N or latest too), a tiny config name
+    #: (tiny, tiny-vl, tiny-audio, ...), a .gguf file or a folder with one, or a hub id ORG/NAME[@REVISION]
     path: str = "tiny"
     #: a Jinja file that replaces the checkpoint's chat template, or a bundled one by name ("chatml-tools")
     chat_template: str | None = None
@@ -51,83 +44,11 @@ class ModelSection(_Strict):
 SHORTHANDS = {"model": "path"}
 
 
-class EnvConfig(_Strict):
+class EnvConfig(StrictSection):
     id: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
     #: kwargs for held-out evaluation (e.g. {split: test}); merged over `kwargs`
     eval_kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
-class RolloutConfig(_Strict):
-    """`rollout:`, for `relax-gym train` and (`rollout.KEY=VALUE`) `relax-gym rollout` alike.
-
-    Each default is written once: the sampling ones are `SamplingParams`' and the limits' `RolloutLimits`'
-    (read from there), the others are here; `sampling_params()` and `limits()` build those two from this section.
-    """
-
-    engine: Literal["embedded", "sglang"] = "embedded"
-    engine_url: str | None = None
-    #: several servers (`relax-gym serve` or SGLang) behind one `EngineRouter`: sticky episodes, failover on outage
-    engine_urls: list[str] | None = None
-    #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
-    #: (with `engine_urls`: how long the router waits for any live server)
-    engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0)
-    group_size: int = Field(8, ge=1)
-    groups_per_step: int = Field(8, ge=1)
-    #: 0 = greedy, for `relax-gym rollout` only: training takes logprobs at this temperature, so needs > 0
-    temperature: float = Field(SamplingParams.temperature, ge=0)
-    top_p: float = Field(SamplingParams.top_p, gt=0, le=1)
-    top_k: int = Field(SamplingParams.top_k, ge=0)
-    max_new_tokens: int = Field(SamplingParams.max_new_tokens, ge=1)
-    #: the run's budget of policy turns per episode; an env's own turn limit (e.g. ToolEnv's `max_turns` env
-    #: kwarg) is the task's rule. Whichever is reached first ends the episode as `truncated`
-    max_turns: int = Field(RolloutLimits.max_turns, ge=1)
-    max_total_tokens: int = Field(RolloutLimits.max_total_tokens, ge=16)
-    concurrency: int = Field(MAX_CONCURRENCY, ge=1)
-    episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0)
-    #: batch size of the embedded engine; 1 makes generation independent of request timing
-    engine_max_batch_size: int = Field(MAX_BATCH_SIZE, ge=1)
-    #: the embedded engine's batching: "continuous" (requests join a running batch; text-only models, others
-    #: batch statically whatever this says) or "static" (one `generate` per batch, runs to its longest row)
-    engine_batching: Batching = "continuous"
-    #: where the embedded engine runs: "auto" (the first GPU if torch sees one, else the CPU), "cpu", "cuda",
-    #: "cuda:N"; on a GPU it serves in bfloat16
-    engine_device: str = "auto"
-    #: how trained weights reach engine servers (`engine: sglang`): "tensor" (the state dict through
-    #: /update_weights_from_tensor, shared in memory with a server on this host: CUDA IPC or shared memory),
-    #: "disk" (RUN_DIR/weights/vN, loaded by path), or "auto": tensor when every server URL is loopback
-    weight_sync: Literal["auto", "tensor", "disk"] = "auto"
-
-    @field_validator("engine_device")
-    @classmethod
-    def _device_here(cls, value: str) -> str:
-        engine_device(value)
-        return value
-
-    @model_validator(mode="after")
-    def _engine_named(self) -> RolloutConfig:
-        if self.engine_url and self.engine_urls:
-            raise ValueError("rollout.engine_url and rollout.engine_urls are mutually exclusive: set one")
-        if self.engine == "sglang" and not (self.engine_url or self.engine_urls):
-            raise ValueError("rollout.engine=sglang needs rollout.engine_url or rollout.engine_urls")
-        return self
-
-    def weights_as_tensors(self) -> bool:
-        """Whether the loop sends engine servers a state dict rather than a folder (`weight_sync`)."""
-        if self.weight_sync != "auto":
-            return self.weight_sync == "tensor"
-        urls = self.engine_urls or [self.engine_url or ""]
-        return all(is_loopback(httpx.URL(url).host) for url in urls)
-
-    def sampling_params(self) -> SamplingParams:
-        """Every request's sampling (the manager seeds and budgets each one)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens)
-
-    def limits(self) -> RolloutLimits:
-        """What ends an episode besides its env."""
-        return RolloutLimits(max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
-                             episode_timeout_s=self.episode_timeout_s)
 
 
 class AlgorithmSection(AlgorithmConfig):
@@ -154,7 +75,7 @@ class AlgorithmSection(AlgorithmConfig):
         return AlgorithmConfig.model_validate({k: getattr(self, k) for k in AlgorithmConfig.model_fields})
 
 
-class RoleThreads(_Strict):
+class RoleThreads(StrictSection):
     """One in-process role's thread: the cores it may run on and its torch thread count (unset: as the process)."""
 
     cores: list[int] | None = Field(None, min_length=1)
@@ -171,7 +92,7 @@ class RoleThreads(_Strict):
         return ThreadPlacement(None if self.cores is None else tuple(self.cores), self.threads)
 
 
-class CpuSection(_Strict):
+class CpuSection(StrictSection):
     """`cpu:`: cores and torch threads per role of a one-process run (the embedded engine's worker thread and
     the trainer's thread), so an async run's roles stop taking turns on the same cores."""
 
@@ -179,7 +100,7 @@ class CpuSection(_Strict):
     trainer: RoleThreads = Field(default_factory=RoleThreads)
 
 
-class MegatronSection(_Strict):
+class MegatronSection(StrictSection):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     #: expert parallelism of a mixture-of-experts model: its experts spread over this many data-parallel ranks
@@ -189,7 +110,7 @@ class MegatronSection(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
-class TrainerSection(_Strict):
+class TrainerSection(StrictSection):
     backend: Literal["torch", "megatron"] = "torch"
     mode: Literal["sync", "async"] = "async"
     max_staleness: int = Field(1, ge=0)
@@ -223,7 +144,7 @@ class TrainerSection(_Strict):
     megatron: MegatronSection = Field(default_factory=MegatronSection)
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictSection):
     run_dir: str = "runs/default"
     seed: int = 0
     model: ModelSection = Field(default_factory=ModelSection)
@@ -368,7 +289,7 @@ def _apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> None:
             raise ConfigError(f"override {item!r}: {type(err).__name__}: {err}") from None
 
 
-class _RolloutOnly(_Strict):
+class _RolloutOnly(StrictSection):
     """A config of only the `rollout:` section, so its errors read as in a full config."""
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -40,7 +40,7 @@ from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_image
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import request_routes
-from relax_gym.rollout.manager import RolloutLimits
+from relax_gym.rollout.config import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
 

@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import experts_per_token, request_routes
 from relax_gym.registration import make
+from relax_gym.rollout.config import MAX_CONCURRENCY, RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import tool_format_of
 from relax_gym.trajectory import Status, Trajectory
@@ -54,23 +55,6 @@ def settle_heap() -> None:
 
 #: the start of an aborted episode's reason when its engine stayed unreachable past the client's outage timeout
 ENGINE_UNAVAILABLE = "engine unavailable"
-#: episodes run at once by default (`rollout.concurrency` reads it here)
-MAX_CONCURRENCY = 256
-
-
-@dataclass(frozen=True)
-class RolloutLimits:
-    """What ends an episode besides its env. Its defaults are also `rollout.*`'s (`RolloutConfig` reads them here).
-
-    `max_turns` is the run's budget of policy turns per episode; an env may have its own turn limit (e.g.
-    `ToolEnv.max_turns`, the task's rule). Whichever is reached first ends the episode as `truncated`: the
-    env's with the reason its info gives (`truncated_by`, `max_turns` for ToolEnv), this one with `max_turns`.
-    """
-
-    max_turns: int = 8
-    max_total_tokens: int = 4096
-    episode_timeout_s: float = 600.0
-    check_rerender: bool = True
 
 
 class EnvPool:

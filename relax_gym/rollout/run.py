@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relax_gym.engines.factory import make_engine
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.registration import resolve_env_id
+from relax_gym.rollout.config import RolloutConfig
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET, EvalReport, eval_report
 from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.rollout.metrics import status_breakdown, summarize
 from relax_gym.rollout.startup import EnvUse, check_run
 from relax_gym.trajectory import Trajectory, append_jsonl
-
-if TYPE_CHECKING:  # the rollout package does not import the trainer's at run time
-    from relax_gym.trainer.config import RolloutConfig
 
 
 async def rollout_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: str | Path,
@@ -54,9 +52,7 @@ async def play_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: st
                        env_kwargs: dict[str, Any] | None = None) -> list[Trajectory]:
     """`rollout_to_file`'s episodes, returned rather than summarised."""
     if rollout is None:
-        from relax_gym.trainer.config import RolloutConfig  # its defaults: the CLI's settings when none are given
-
-        rollout = RolloutConfig()
+        rollout = RolloutConfig()  # its defaults: the CLI's settings when none are given
     env_id = resolve_env_id(env_id)
     loaded = load_model(model) if isinstance(model, str) else model
     check_run(loaded, [EnvUse(env_id, env_kwargs or {}, "--env")], max_total_tokens=rollout.max_total_tokens,
