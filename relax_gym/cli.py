@@ -316,7 +316,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from relax_gym.trainer.config import load_config
-    from relax_gym.trainer.loop import train
+    from relax_gym.trainer.launch import train
 
     try:
         summary = train(load_config(args.config, args.overrides))

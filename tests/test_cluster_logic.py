@@ -62,7 +62,7 @@ def test_an_in_process_run_never_imports_ray(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from relax_gym.trainer.config import load_config
-        from relax_gym.trainer.loop import train
+        from relax_gym.trainer.launch import train
         cfg = load_config({str(ROOT / "examples/configs/quickstart.yaml")!r},
                           ["run_dir={tmp_path / 'run'}", "trainer.total_steps=1", "trainer.eval_every=0",
                            "rollout.groups_per_step=2", "rollout.group_size=2"])

@@ -23,7 +23,7 @@ from relax_gym.engines.base import API_KEY_ENV
 from relax_gym.models import load_model, save_model
 from relax_gym.registration import env_class, import_env_source
 from relax_gym.trainer.config import load_config
-from relax_gym.trainer.loop import train
+from relax_gym.trainer.launch import train
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"

@@ -18,7 +18,8 @@ from relax_gym.engines.base import EngineError
 from relax_gym.envs.procedural import GuessNumberEnv
 from relax_gym.errors import RunStopped
 from relax_gym.trainer.config import load_config
-from relax_gym.trainer.loop import Trainer, train
+from relax_gym.trainer.launch import train
+from relax_gym.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"

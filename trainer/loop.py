@@ -20,7 +20,6 @@ engine that stays away) stops with `RunStopped` after checkpointing.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import shutil
 import signal
@@ -37,7 +36,7 @@ import torch
 from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
 from relax_gym.engines.factory import make_engine
 from relax_gym.errors import RunStopped, StartupError
-from relax_gym.models import LoadedModel, load_model
+from relax_gym.models import load_model
 from relax_gym.models.moe_routing import experts_per_token
 from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
@@ -51,7 +50,8 @@ from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.checkpoint import CheckpointManager
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trainer.databus import DataBus, Group
-from relax_gym.trainer.distributed import DrivingBackend, follow, world
+from relax_gym.trainer.distributed import DrivingBackend, world
+from relax_gym.trainer.policy import load_policy, make_backend
 from relax_gym.trainer.run_log import RunLog
 
 _T = TypeVar("_T")
@@ -82,22 +82,6 @@ class StepJob:
     task: asyncio.Task[TrainedStep]
     take_started: float
     taken_at: float = 0.0
-
-
-def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
-    t = cfg.trainer
-    if t.backend == "megatron":
-        from relax_gym.trainer.backends.megatron import MegatronBackend
-
-        return MegatronBackend(copy.deepcopy(loaded), tp=t.megatron.tp, pp=t.megatron.pp, ep=t.megatron.ep, lr=t.lr,
-                               weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                               micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed, dtype=t.megatron.dtype,
-                               replay_routes=cfg.algorithm.routing_replay)
-    from relax_gym.trainer.backends.torch_backend import TorchBackend
-
-    return TorchBackend(copy.deepcopy(loaded), lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                        micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed,
-                        replay_routes=cfg.algorithm.routing_replay)
 
 
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
@@ -748,34 +732,6 @@ def _yaml(cfg: TrainConfig) -> str:
     import yaml
 
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def load_policy(cfg: TrainConfig) -> LoadedModel:
-    """The policy as the config's `model` section describes it (folder, template, template kwargs, tool format)."""
-    m = cfg.model
-    return load_model(m.path, chat_template=m.chat_template, template_kwargs=m.template_kwargs,
-                      tool_format=m.tool_format)
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Runs a training job; under torchrun, rank 0 trains and the other ranks follow its backend calls."""
-    rank, size = world()
-    if cfg.cluster is not None:
-        if size > 1:
-            raise StartupError("a cluster run starts its own trainer ranks as Ray actors: run it without torchrun")
-        from relax_gym.trainer.cluster.run import ClusterTrainer
-
-        return asyncio.run(ClusterTrainer(cfg).run())
-    if size > 1 and cfg.trainer.own_process:
-        raise StartupError("trainer.own_process runs the backend in a child process, which cannot be a torchrun "
-                           "rank: drop it under torchrun")
-    if size > 1 and cfg.trainer.backend != "megatron":
-        raise ValueError("only trainer.backend=megatron runs under torchrun; the torch backend is one process")
-    if rank == 0:
-        return asyncio.run(Trainer(cfg).run())
-    backend = make_backend(cfg, load_policy(cfg))
-    calls = follow(backend, make_loss_fn(cfg.algorithm.to_algorithm_config()))
-    return {"rank": rank, "backend_calls": calls, "version": backend.version}
 
 
 def _size(size: int) -> str:

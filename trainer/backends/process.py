@@ -49,7 +49,7 @@ def _serve(conn: Connection, cfg_json: str, placement: ThreadPlacement) -> None:
     """The child: builds the backend, then answers (method, args, kwargs) until told to stop."""
     placement.apply()
     from relax_gym.trainer.config import TrainConfig
-    from relax_gym.trainer.loop import load_policy, make_backend
+    from relax_gym.trainer.policy import load_policy, make_backend
 
     try:
         cfg = TrainConfig.model_validate_json(cfg_json)

@@ -63,7 +63,7 @@ class EngineService:
     """
 
     def __init__(self, engine_id: str, cfg: TrainConfig, fault: dict[str, int] | None = None):
-        from relax_gym.trainer.loop import load_policy
+        from relax_gym.trainer.policy import load_policy
 
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(load_policy(cfg), max_batch_size=cfg.rollout.engine_max_batch_size,
@@ -210,7 +210,7 @@ class RolloutWorker:
     (so a group outlives the worker that played it). The controller tells it which engines it may use."""
 
     def __init__(self, worker_id: str, cfg: TrainConfig, *, engine_wait_s: float):
-        from relax_gym.trainer.loop import load_policy
+        from relax_gym.trainer.policy import load_policy
 
         self.worker_id = worker_id
         for env in cfg.envs:  # an env given as file.py or module registers its ids in this process too
@@ -293,7 +293,7 @@ class TrainerRank:
         """Builds the backend as rank `rank` of `world_size` (torchrun's environment variables, so the backend
         forms its process group as under torchrun: Ray gives each rank its own GPU as device 0)."""
         from relax_gym.trainer.distributed import DrivingBackend, control_group
-        from relax_gym.trainer.loop import load_policy, make_backend
+        from relax_gym.trainer.policy import load_policy, make_backend
 
         self.rank = rank
         if world_size > 1:
