@@ -7,7 +7,6 @@ string entry points load no env module. Third-party plugins (entry-point group
 importing any submodule (the engines, the trainer) runs no env or plugin code.
 """
 
-from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 from relax_gym import envs  # noqa: F401  (registers the bundled ids, once)
@@ -26,6 +25,7 @@ from relax_gym.rewards import RewardResult
 from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import Tool, tool
+from relax_gym.version import __version__
 
 if TYPE_CHECKING:
     from relax_gym.remote_env import RemoteEnv, RemoteEnvError
@@ -40,10 +40,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'relax_gym' has no attribute {name!r}")
 
 
-try:
-    __version__ = _metadata.version("relax-gym")
-except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
 
 __all__ = [
     "Env",

@@ -17,9 +17,7 @@ import numpy as np
 
 from relax_gym.messages import Message, validate_messages
 from relax_gym.spaces import ActionText, MessageSpace
-
-#: the attribute `@tool` sets on a method; `Env` subclasses collect the marked names (`tool_names`)
-TOOL_MARK = "__relax_gym_tool__"
+from relax_gym.tools.function_tool import TOOL_MARK
 
 ObsT = TypeVar("ObsT")
 

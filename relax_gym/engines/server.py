@@ -68,7 +68,6 @@ from PIL import Image
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
 
-from relax_gym import __version__
 from relax_gym.engines import tensor_ipc
 from relax_gym.engines.base import (
     API_KEY_ENV,
@@ -89,6 +88,7 @@ from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.errors import StartupError
 from relax_gym.tools.formats import tool_format_of
+from relax_gym.version import __version__
 from relax_gym.video import Video
 
 logger = logging.getLogger("relax_gym.engines")

@@ -20,10 +20,11 @@ import pydantic
 from PIL import Image
 from transformers.utils import get_json_schema
 
-from relax_gym.core import TOOL_MARK
 from relax_gym.messages import Part, audio, image, text, validate_part
 from relax_gym.tools.parser import ToolCall, shown
 
+#: the attribute `@tool` sets on a method; `Env` subclasses collect the marked names (`tool_names`)
+TOOL_MARK = "__relax_gym_tool__"
 CONCURRENT_MARK = "__relax_gym_tool_concurrent__"
 _F = TypeVar("_F", bound=Callable[..., Any])
 
