@@ -1,6 +1,6 @@
 """The trajectory record: one episode, its exact tokens, and what training needs.
 
-Field meanings are fixed by DESIGN.md (Trajectory contract). `segments` mark
+Field meanings are fixed by docs/architecture.md (the trajectory record). `segments` mark
 which token ranges came from the prompt, the policy, or the environment, so a
 viewer or a debugger can show turns without re-tokenizing anything. In JSONL,
 images, audio and video frames are stored once as base64 PNG / WAV / PNGs in `media` (turn order);
