@@ -52,6 +52,7 @@ import ray
 
 from relax_gym.trainer.cluster.run import ClusterTrainer, Faults
 from relax_gym.trainer.config import TrainConfig, load_config
+from relax_gym.trainer.loop import task_of_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "runs"
@@ -225,7 +226,7 @@ def exactly_once(run_dir: Path, cfg: TrainConfig, discarded: int) -> tuple[int, 
     members: Counter[int] = Counter()
     steps: dict[int, set[int]] = defaultdict(set)
     for row in read_jsonl(run_dir / "trajectories.jsonl"):
-        task = int(row["seed"]) - cfg.seed * 1_000_003
+        task = task_of_seed(cfg.seed, int(row["seed"]))
         members[task] += 1
         steps[task].add(int(row["step"]))
     n = cfg.trainer.total_steps * r.groups_per_step + discarded

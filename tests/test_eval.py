@@ -103,3 +103,14 @@ def test_eval_refuses_settings_that_cannot_measure_pass_at_k(flags, cause, tmp_p
     code = main(["eval", "--model", "tiny", *QUICKSTART_TASK, "-n", "2", "--out", str(tmp_path / "x.jsonl"), *flags])
     said = capsys.readouterr().out
     assert code == 2 and cause in said.replace("\n", " "), said
+
+
+@pytest.mark.parametrize("run_seed", [0, 7, 999, 1000, 12345, 2**31 - 1])
+def test_training_seeds_never_reach_the_held_out_ones_whatever_the_runs_seed(run_seed):
+    from relax_gym.trainer.loop import task_of_seed, task_seed
+
+    seeds = [task_seed(run_seed, task) for task in (0, 1, 5000, 10**6)]
+    assert all(0 <= s < EVAL_SEED_OFFSET for s in seeds)
+    assert [task_of_seed(run_seed, s) for s in seeds] == [0, 1, 5000, 10**6]
+    if run_seed < 999:  # the seeds runs had before the wrap: resuming one replays the same tasks
+        assert seeds == [run_seed * 1_000_003 + task for task in (0, 1, 5000, 10**6)]

@@ -84,6 +84,17 @@ class StepJob:
     taken_at: float = 0.0
 
 
+def task_seed(run_seed: int, task: int) -> int:
+    """The env seed of a run's training task: below `EVAL_SEED_OFFSET` whatever the run's seed, so a training task
+    never shares a seed with a held-out one (which start there)."""
+    return (run_seed * 1_000_003 + task) % EVAL_SEED_OFFSET
+
+
+def task_of_seed(run_seed: int, seed: int) -> int:
+    """The task whose `task_seed` is `seed` (tasks are numbered below `EVAL_SEED_OFFSET`)."""
+    return (seed - run_seed * 1_000_003) % EVAL_SEED_OFFSET
+
+
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
     """GRPO-style samples: advantages relative to the group's trainable episodes. An episode whose reward could not
     be computed (a judge's `timeout` or `error`) is left out: its 0 is no judgement of the answer."""
@@ -226,13 +237,13 @@ class Trainer:
         return self.env_ids[n], self.cfg.envs[n].kwargs
 
     def task_seed(self, task: int) -> int:
-        return self.cfg.seed * 1_000_003 + task
+        return task_seed(self.cfg.seed, task)
 
     def task_of(self, group: Group) -> int:
         """The task a group played (the inverse of `task_seed`)."""
         seed = group[0].seed
         assert seed is not None, "the loop seeds every episode it plays (task_seed)"
-        return int(seed) - self.cfg.seed * 1_000_003
+        return task_of_seed(self.cfg.seed, int(seed))
 
     def _start_task(self) -> int:
         """The next task to play: one a resumed run lost in flight, else a new one; it enters the ledger."""

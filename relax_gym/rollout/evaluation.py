@@ -1,8 +1,8 @@
 """Held-out evaluation: which tasks, and pass@1 / pass@k with 95 % intervals from their trajectories.
 
 `relax-gym eval` and a training run's eval rows read their figures here, over the same draw of tasks: task
-i is the env's reset with seed `EVAL_SEED_OFFSET + i` (training draws seeds from 0, so the two never share a
-task), with the env's kwargs (a run adds its `eval_kwargs`). A sample passes when its reward reaches
+i is the env's reset with seed `EVAL_SEED_OFFSET + i` (a run's training seeds all lie below it, so the two never
+share a task), with the env's kwargs (a run adds its `eval_kwargs`). A sample passes when its reward reaches
 `pass_reward` (default 1.0: full credit); a failed or aborted episode never passes.
 
 pass@k is the unbiased estimator over n >= k samples per task (Chen et al., 2021: 1 - C(n-c, k) / C(n, k) for c
