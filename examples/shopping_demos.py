@@ -42,7 +42,8 @@ def replies(loaded: LoadedModel):
             items = ITEMS.findall(turn.text)[-1].split(", ")
             return calls.write_calls([("price", {"item": item}) for item in items])
         prices = PRICE.findall(turn.text)
-        return f"{' + '.join(prices)} = {sum(map(int, prices))}. <answer>{sum(map(int, prices))}</answer>"
+        total = sum(map(int, prices))
+        return f"{' + '.join(prices)} = {total}. <answer>{total}</answer>"
 
     return reply
 
