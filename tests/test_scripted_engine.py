@@ -215,13 +215,13 @@ def test_the_protocol_around_generation(loaded: LoadedModel) -> None:
         generate(ScriptedEngine(loaded, lambda turn: 1), [1])  # type: ignore[arg-type, return-value]
 
 
-def test_the_readme_snippet_runs(loaded: LoadedModel) -> None:
-    """The README's "Testing an env without a model" code, run as written, so it cannot rot."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Testing an env without a model", 1)[1]
+def test_the_docs_snippet_runs(loaded: LoadedModel) -> None:
+    """docs/envs.md's "Testing an env without a model" code, run as written, so it cannot rot."""
+    page = (ROOT / "docs" / "envs.md").read_text()
+    section = page.split("## Testing an env without a model\n", 1)[1]
     snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
     runpy.run_path(str(ROOT / "examples" / "custom_env.py"))  # registers example/Shopping-v0
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(snippet, "README.md", "exec"), {"__name__": "readme"})
+        exec(compile(snippet, "docs/envs.md", "exec"), {"__name__": "docs"})
     assert out.getvalue().strip() == "completed 1.0"
