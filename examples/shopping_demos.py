@@ -5,7 +5,7 @@ improves it.
     python examples/shopping_demos.py --model MODEL --chat-template chatml-tools -n 32 --out demos.jsonl
     relax-gym sft demos.jsonl --model MODEL --chat-template chatml-tools --epochs 1 --lr 5e-5 --out warm
 
-(the README's ladder on SmolLM2-135M-Instruct: held-out pass@1 0 -> 0.31 from these, -> 0.52 after RL).
+(docs/training.md's ladder on SmolLM2-135M-Instruct: held-out pass@1 0 -> 0.31 from these, -> 0.52 after RL).
 Each demonstration looks every item's price up in one turn of tool calls, then writes the sum out and answers
 it (answering the bare total taught SmolLM2 the format but left its sums wrong: 0.28 greedy against 0.62
 with the sum written out). The tokens are the model's own tokenizer's, rendered by the template it will be

@@ -6,7 +6,7 @@
 #
 # Packages: by default `scripts/setup_venv.sh test,megatron` into .venv (needs a package registry). On a
 # machine without one, GPU_CHECK_WHEELS=DIR uses the python3 on PATH (with its CUDA torch and transformers)
-# plus the wheels in DIR, installed into a temporary folder (the README's GPU section lists them).
+# plus the wheels in DIR, installed into a temporary folder (docs/training.md's GPU section lists them).
 #
 # Each step runs under its own time limit (GPU_CHECK_STEP_TIMEOUT seconds, default 1800) and a failed step does
 # not stop the next; the exit status is the first failure's. Also settable: GPU_CHECK_SHAPES (default

@@ -227,6 +227,16 @@ def test_cli_checks_the_custom_env_example(capsys):
     assert report["target"] == "example/Shopping-v0"
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/envs.md"])
+def test_the_custom_env_code_in_the_docs_is_the_examples(page):
+    """The code a page shows under "A custom environment" is examples/custom_env.py's, verbatim, so the check
+    above and the tests that play the example cover what readers copy."""
+    section = (ROOT / page).read_text().split("## A custom environment\n", 1)[1]
+    shown = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "class ShoppingEnv(ToolEnv):" in shown
+    assert shown in (ROOT / "examples" / "custom_env.py").read_text()
+
+
 #: envs that need a server to exist: checked where one runs (test_remote_env, test_judge)
 NEED_A_SERVER = {"relax/Remote-v0", "relax/JudgedQA-v0"}
 

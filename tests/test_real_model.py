@@ -135,12 +135,12 @@ def test_sft_on_its_own_right_answers_teaches_it_two_digit_addition(smollm2, tmp
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_sft_then_grpo_teach_it_the_readme_tool_env_it_never_calls_a_tool_in(smollm2, tmp_path, capsys):
-    """The README's ladder on its tool env (`example/Shopping-v0`, with the bundled chatml-tools template): the base
-    model never calls the tool; `relax-gym sft` on 32 `ScriptedEngine` demonstrations gives it the format; GRPO
-    (examples/configs/smollm2_shopping.yaml, 10 steps) makes its sampled answers right more often. Held-out pass@1
-    at temperature 0.7, 4 samples a task; measured on 2 cores: base 0.000 (8 tasks, no tool call), warm start 0.312
-    and after RL 0.523 (32 tasks, the run's own eval rows), in about 13 minutes. On the first 16 of those tasks
-    alone the rise is 0.391 -> 0.469: fewer tasks would not show RL's gain reliably."""
+    """docs/training.md's ladder on the README's tool env (`example/Shopping-v0`, with the bundled chatml-tools
+    template): the base model never calls the tool; `relax-gym sft` on 32 `ScriptedEngine` demonstrations gives it
+    the format; GRPO (examples/configs/smollm2_shopping.yaml, 10 steps) makes its sampled answers right more often.
+    Held-out pass@1 at temperature 0.7, 4 samples a task; measured on 2 cores: base 0.000 (8 tasks, no tool call),
+    warm start 0.312 and after RL 0.523 (32 tasks, the run's own eval rows), in about 13 minutes. On the first 16 of
+    those tasks alone the rise is 0.391 -> 0.469: fewer tasks would not show RL's gain reliably."""
     demos, warm, run = tmp_path / "demos.jsonl", tmp_path / "warm", tmp_path / "run"
     shopping = runpy.run_path(str(ROOT / "examples" / "shopping_demos.py"))
     assert asyncio.run(shopping["demonstrations"](load_model(str(smollm2), chat_template="chatml-tools"), 32,

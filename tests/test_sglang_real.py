@@ -1,7 +1,7 @@
 """The SGLang client against a real `python -m sglang.launch_server`.
 
 Skipped where `sglang` is not importable, which includes every machine this
-project is developed on (PLATFORM.md: SGLang's wheels pin other torch versions
+project is developed on (SGLang's wheels pin other torch versions
 and its CPU backend needs Intel AMX). Where it is installed (a GPU machine),
 the server is launched on a real checkpoint: the folder in
 RELAX_GYM_SGLANG_MODEL (e.g. a local Qwen3-0.6B) if set, else the tiny Qwen3

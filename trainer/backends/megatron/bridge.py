@@ -3,8 +3,8 @@
 mbridge (0.15.1) already knows the Qwen2/Qwen3 layouts (fused QKV per query
 group, fc1 = [gate; up], TP splits), so no converter is written by hand here.
 Its stock bridges, however, assume Transformer Engine, CUDA and transformers 4;
-the subclasses below carry the six fixes they need (measured, see
-PLATFORM.md), each marked `fix N` where it is made:
+the subclasses below carry the six fixes they need (each measured), each
+marked `fix N` where it is made:
 
 1. the layer spec: TE's spec is always requested → the local spec
    (`use_transformer_engine=False`, torch RMSNorm), which runs anywhere, with
