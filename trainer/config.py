@@ -24,15 +24,15 @@ from relax_gym.trainer.cluster.config import ClusterSection
 class ModelSection(StrictSection):
     """The policy model; `model: DIR` is shorthand for `model: {path: DIR}`."""
 
-    #: a local HF checkpoint folder (a run folder, its checkpoints/step_N or latest too), a tiny config name
-    #: (tiny, tiny-vl, tiny-audio, ...), a .gguf file or a folder with one, or a hub id ORG/NAME[@REVISION]
-    path: str = "tiny"
-    #: a Jinja file that replaces the checkpoint's chat template, or a bundled one by name ("chatml-tools")
-    chat_template: str | None = None
-    #: keyword arguments every chat-template render gets, e.g. {enable_thinking: false}
-    template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    #: how tool calls are read from the model's text: auto (from the tokenizer) or a format name
-    tool_format: str = "auto"
+    path: str = Field("tiny", description="a local HF checkpoint folder (a run folder, its checkpoints/step_N or "
+                      "latest too), a tiny config name (tiny, tiny-vl, tiny-audio, ...), a .gguf file or a folder "
+                      "with one, or a hub id ORG/NAME[@REVISION]")
+    chat_template: str | None = Field(None, description="a Jinja file that replaces the checkpoint's chat template, "
+                                      "or a bundled one by name (\"chatml-tools\")")
+    template_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments every "
+                                            "chat-template render gets, e.g. {enable_thinking: false}")
+    tool_format: str = Field("auto", description="how tool calls are read from the model's text: auto (from the "
+                             "tokenizer) or a format name (hermes, llama3, mistral, deepseek, harmony)")
 
     @model_validator(mode="before")
     @classmethod
@@ -45,10 +45,12 @@ SHORTHANDS = {"model": "path"}
 
 
 class EnvConfig(StrictSection):
-    id: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    #: kwargs for held-out evaluation (e.g. {split: test}); merged over `kwargs`
-    eval_kwargs: dict[str, Any] = Field(default_factory=dict)
+    id: str = Field(description="the env: a registered id (e.g. relax/Arithmetic-v0), a file.py or module that "
+                    "registers one, or file.py:NAME / module:NAME")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments the env is made with "
+                                   "(e.g. {digits: 2})")
+    eval_kwargs: dict[str, Any] = Field(default_factory=dict, description="kwargs for held-out evaluation (e.g. "
+                                        "{split: test}); merged over `kwargs`")
 
 
 class AlgorithmSection(AlgorithmConfig):
@@ -57,13 +59,13 @@ class AlgorithmSection(AlgorithmConfig):
 
     model_config = ConfigDict(frozen=False, validate_assignment=True, validate_by_name=False, serialize_by_alias=True)
 
-    #: recompute old logprobs with the trainer (ratio against them); else use the engine's
-    recompute_old_logprobs: bool = True
-    #: a model (tiny name or folder) whose logprobs are the distillation target
-    teacher: str | None = None
-    #: rollout routing replay (R3) for MoE policies: the engine returns each token's routed experts, trajectories
-    #: keep them, and the trainer's routers take them in every policy forward (reference and teacher route freely)
-    routing_replay: bool = False
+    recompute_old_logprobs: bool = Field(True, description="recompute old logprobs with the trainer (ratio "
+                                         "against them); else use the engine's")
+    teacher: str | None = Field(None, description="a model (tiny name or folder) whose logprobs are the "
+                                "distillation target (`name: distill` needs one)")
+    routing_replay: bool = Field(False, description="rollout routing replay (R3) for MoE policies: the engine "
+                                 "returns each token's routed experts, trajectories keep them, and the trainer's "
+                                 "routers take them in every policy forward (reference and teacher route freely)")
 
     @property
     def name(self) -> str:
@@ -78,8 +80,10 @@ class AlgorithmSection(AlgorithmConfig):
 class RoleThreads(StrictSection):
     """One in-process role's thread: the cores it may run on and its torch thread count (unset: as the process)."""
 
-    cores: list[int] | None = Field(None, min_length=1)
-    threads: int | None = Field(None, ge=1)
+    cores: list[int] | None = Field(None, min_length=1, description="the CPU cores (ids) the role's thread may run "
+                                    "on; unset: the process's")
+    threads: int | None = Field(None, ge=1, description="torch's thread count in the role's thread; unset: the "
+                                "process's")
 
     @field_validator("cores")
     @classmethod
@@ -96,65 +100,94 @@ class CpuSection(StrictSection):
     """`cpu:`: cores and torch threads per role of a one-process run (the embedded engine's worker thread and
     the trainer's thread), so an async run's roles stop taking turns on the same cores."""
 
-    engine: RoleThreads = Field(default_factory=RoleThreads)
-    trainer: RoleThreads = Field(default_factory=RoleThreads)
+    engine: RoleThreads = Field(default_factory=RoleThreads, description="the embedded engine's worker thread")
+    trainer: RoleThreads = Field(default_factory=RoleThreads, description="the thread every training-backend call "
+                                 "runs in (with trainer.own_process: the backend's process)")
 
 
 class MegatronSection(StrictSection):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    #: expert parallelism of a mixture-of-experts model: its experts spread over this many data-parallel ranks
-    ep: int = Field(1, ge=1)
-    #: parameters and forward: "auto" is bfloat16 on a GPU (float32 main params in the optimizer and the
-    #: checkpoint), float32 on a CPU
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    tp: int = Field(1, ge=1, description="tensor-parallel size: each layer split over this many ranks")
+    pp: int = Field(1, ge=1, description="pipeline-parallel size: the layers split into this many stages")
+    ep: int = Field(1, ge=1, description="expert parallelism of a mixture-of-experts model: its experts spread over "
+                    "this many data-parallel ranks")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="parameters and forward: \"auto\" is bfloat16 on a GPU (float32 main params in the optimizer and "
+        "the checkpoint), float32 on a CPU",
+    )
 
 
 class TrainerSection(StrictSection):
-    backend: Literal["torch", "megatron"] = "torch"
-    mode: Literal["sync", "async"] = "async"
-    max_staleness: int = Field(1, ge=0)
-    total_steps: int = Field(100, ge=1)
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(4096, ge=16)
-    checkpoint_every: int = Field(20, ge=1)
-    #: step folders kept under checkpoints/ (the newest ones); each holds the weights and the optimizer state,
-    #: about 12 bytes a parameter in fp32 (1.6 GB for a 135M model): the run says the size at its first save
-    keep_checkpoints: int = Field(3, ge=1)
-    eval_every: int = Field(0, ge=0)
-    eval_tasks: int = Field(32, ge=1)
-    #: held-out episodes per task and their sampling temperature: greedy (0, one sample) by default, as
-    #: `relax-gym eval` runs; the training temperature with a few samples measures the policy RL trains
-    #: (pass@1 is then the mean over the samples)
-    eval_samples: int = Field(1, ge=1)
-    eval_temperature: float = Field(0.0, ge=0)
-    #: with eval_every: one eval of the starting model before the first step (step 0), so the run's own rows
-    #: hold its before and after (a resumed run has it already)
-    eval_at_start: bool = True
-    #: the run stops (exit 1, with the episodes' statuses and reasons) after this many steps in a row
-    #: with no trainable sample: such a run cannot learn
-    max_steps_without_samples: int = Field(3, ge=1)
-    #: auto: continue from run_dir's latest checkpoint, saying so; never: refuse a run_dir that has one
-    resume: Literal["auto", "never"] = "auto"
-    #: run the backend in a child process of its own (`trainer.backends.process`): its Python then runs beside
-    #: the rollout's instead of sharing one GIL with it, which an async run of a small model needs to overlap
-    own_process: bool = False
-    megatron: MegatronSection = Field(default_factory=MegatronSection)
+    backend: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="what trains the policy: \"torch\" (the transformers model in one process) or \"megatron\" "
+        "(megatron-core with TP / PP / DP, see trainer.megatron)",
+    )
+    mode: Literal["sync", "async"] = Field(
+        "async",
+        description="\"sync\": generate a step's groups, train, push weights, repeat (on-policy); \"async\": rollouts "
+        "run ahead of the trainer by at most max_staleness weight versions",
+    )
+    max_staleness: int = Field(1, ge=0, description="how many weight versions the rollouts may run ahead of the "
+                               "trainer (async); 0 reproduces the sync run's batches, and mode: sync needs 0")
+    total_steps: int = Field(100, ge=1, description="optimizer steps the run trains (a resumed run continues to "
+                             "this many)")
+    lr: float = Field(1e-5, gt=0, description="the optimizer's (Adam's) learning rate, constant over the run")
+    weight_decay: float = Field(0.0, ge=0, description="the optimizer's (decoupled) weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="the largest gradient norm: each step's gradients are "
+                             "clipped to it")
+    micro_batch_tokens: int = Field(4096, ge=16, description="padded tokens (samples x longest sample) per "
+                                    "micro-batch of a step; a longer sample gets a micro-batch of its own")
+    checkpoint_every: int = Field(20, ge=1, description="a checkpoint every this many steps (and after the last)")
+    keep_checkpoints: int = Field(3, ge=1, description="step folders kept under checkpoints/ (the newest ones); "
+                                  "each holds the weights and the optimizer state, about 12 bytes a parameter in "
+                                  "fp32 (1.6 GB for a 135M model): the run says the size at its first save")
+    eval_every: int = Field(0, ge=0, description="a held-out eval every this many steps (in the background); "
+                            "0: none")
+    eval_tasks: int = Field(32, ge=1, description="held-out tasks per env in each eval (seeds disjoint from "
+                            "training's, with the env's eval_kwargs)")
+    eval_samples: int = Field(1, ge=1, description="held-out episodes per task: 1 with greedy decoding (as "
+                              "`relax-gym eval` runs) by default; several at the training temperature measure the "
+                              "policy RL trains (pass@1 is then the mean over the samples)")
+    eval_temperature: float = Field(0.0, ge=0, description="the held-out episodes' sampling temperature; 0: greedy "
+                                    "(one sample per task)")
+    eval_at_start: bool = Field(True, description="with eval_every: one eval of the starting model before the "
+                                "first step (step 0), so the run's own rows hold its before and after (a resumed "
+                                "run has it already)")
+    max_steps_without_samples: int = Field(3, ge=1, description="the run stops (exit 1, with the episodes' "
+                                           "statuses and reasons) after this many steps in a row with no trainable "
+                                           "sample: such a run cannot learn")
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: continue from run_dir's latest checkpoint, saying so; never: refuse a run_dir that has one",
+    )
+    own_process: bool = Field(False, description="run the backend in a child process of its own "
+                              "(`trainer.backends.process`): its Python then runs beside the rollout's instead of "
+                              "sharing one GIL with it, which an async run of a small model needs to overlap")
+    megatron: MegatronSection = Field(default_factory=MegatronSection, description="the Megatron backend's "
+                                      "parallelism and dtype (backend: megatron)")
 
 
 class TrainConfig(StrictSection):
-    run_dir: str = "runs/default"
-    seed: int = 0
-    model: ModelSection = Field(default_factory=ModelSection)
-    envs: list[EnvConfig]
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    cpu: CpuSection = Field(default_factory=CpuSection)
-    #: roles as Ray actors; absent (the default), the run is one process and never imports Ray
-    cluster: ClusterSection | None = None
+    run_dir: str = Field("runs/default", description="the run's folder: its config.yaml, metrics.jsonl, "
+                         "trajectories, TensorBoard events and checkpoints/")
+    seed: int = Field(0, description="the run's seed: torch's, the training tasks' env seeds and their requests' "
+                      "sampling seeds derive from it")
+    model: ModelSection = Field(default_factory=ModelSection, description="the policy model; `model: DIR` is "
+                                "shorthand for `model: {path: DIR}`")
+    envs: list[EnvConfig] = Field(description="the envs trained on (required): training task n plays "
+                                  "envs[n mod len(envs)]; each eval runs every one")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the episodes: engine, sampling, "
+                                   "group sizes and limits (shared with `relax-gym rollout` and `relax-gym eval`)")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="the RL algorithm: policy "
+                                        "loss, off-policy corrections, KL and entropy terms, advantages")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="the training backend, schedule, "
+                                    "optimizer, checkpoints and evals")
+    cpu: CpuSection = Field(default_factory=CpuSection, description="cores and torch threads per role of a "
+                            "one-process run (the embedded engine's worker thread and the trainer's thread), so an "
+                            "async run's roles stop taking turns on the same cores")
+    cluster: ClusterSection | None = Field(None, description="roles as Ray actors; absent (the default), the run "
+                                           "is one process and never imports Ray")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

@@ -46,38 +46,52 @@ class RolloutConfig(StrictSection):
     (read from there), the others are here; `sampling_params()` and `limits()` build those two from this section.
     """
 
-    engine: Literal["embedded", "sglang"] = "embedded"
-    engine_url: str | None = None
-    #: several servers (`relax-gym serve` or SGLang) behind one `EngineRouter`: sticky episodes, failover on outage
-    engine_urls: list[str] | None = None
-    #: how long an unreachable engine server is waited for (retried with backoff) before the run stops
-    #: (with `engine_urls`: how long the router waits for any live server)
-    engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0)
-    group_size: int = Field(8, ge=1)
-    groups_per_step: int = Field(8, ge=1)
-    #: 0 = greedy, for `relax-gym rollout` only: training takes logprobs at this temperature, so needs > 0
-    temperature: float = Field(SamplingParams.temperature, ge=0)
-    top_p: float = Field(SamplingParams.top_p, gt=0, le=1)
-    top_k: int = Field(SamplingParams.top_k, ge=0)
-    max_new_tokens: int = Field(SamplingParams.max_new_tokens, ge=1)
-    #: the run's budget of policy turns per episode; an env's own turn limit (e.g. ToolEnv's `max_turns` env
-    #: kwarg) is the task's rule. Whichever is reached first ends the episode as `truncated`
-    max_turns: int = Field(RolloutLimits.max_turns, ge=1)
-    max_total_tokens: int = Field(RolloutLimits.max_total_tokens, ge=16)
-    concurrency: int = Field(MAX_CONCURRENCY, ge=1)
-    episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0)
-    #: batch size of the embedded engine; 1 makes generation independent of request timing
-    engine_max_batch_size: int = Field(MAX_BATCH_SIZE, ge=1)
-    #: the embedded engine's batching: "continuous" (requests join a running batch; text-only models, others
-    #: batch statically whatever this says) or "static" (one `generate` per batch, runs to its longest row)
-    engine_batching: Batching = "continuous"
-    #: where the embedded engine runs: "auto" (the first GPU if torch sees one, else the CPU), "cpu", "cuda",
-    #: "cuda:N"; on a GPU it serves in bfloat16
-    engine_device: str = "auto"
-    #: how trained weights reach engine servers (`engine: sglang`): "tensor" (the state dict through
-    #: /update_weights_from_tensor, shared in memory with a server on this host: CUDA IPC or shared memory),
-    #: "disk" (RUN_DIR/weights/vN, loaded by path), or "auto": tensor when every server URL is loopback
-    weight_sync: Literal["auto", "tensor", "disk"] = "auto"
+    engine: Literal["embedded", "sglang"] = Field(
+        "embedded",
+        description="what generates: \"embedded\" (the transformers engine in this process) or \"sglang\" (servers at "
+        "engine_url or engine_urls: SGLang or `relax-gym serve`)",
+    )
+    engine_url: str | None = Field(None, description="the engine server's URL (engine: sglang)")
+    engine_urls: list[str] | None = Field(None, description="several servers (`relax-gym serve` or SGLang) behind "
+                                          "one `EngineRouter`: sticky episodes, failover on outage")
+    engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0, description="how long an unreachable engine "
+                                           "server is waited for (retried with backoff) before the run stops (with "
+                                           "`engine_urls`: how long the router waits for any live server)")
+    group_size: int = Field(8, ge=1, description="episodes per task (the same env seed); advantages are relative "
+                            "to the group, so training (but distill) needs 2 or more")
+    groups_per_step: int = Field(8, ge=1, description="groups (tasks) each training step trains on")
+    temperature: float = Field(SamplingParams.temperature, ge=0, description="the sampling temperature; 0 = "
+                               "greedy, for `relax-gym rollout` only: training takes logprobs at this temperature, "
+                               "so needs > 0")
+    top_p: float = Field(SamplingParams.top_p, gt=0, le=1, description="nucleus sampling: the smallest set of "
+                         "tokens whose probabilities reach this sum; 1 = off")
+    top_k: int = Field(SamplingParams.top_k, ge=0, description="sample among the k likeliest tokens only; 0 = off")
+    max_new_tokens: int = Field(SamplingParams.max_new_tokens, ge=1, description="tokens one generation (one "
+                                "policy turn) may produce")
+    max_turns: int = Field(RolloutLimits.max_turns, ge=1, description="the run's budget of policy turns per "
+                           "episode; an env's own turn limit (e.g. ToolEnv's `max_turns` env kwarg) is the task's "
+                           "rule. Whichever is reached first ends the episode as `truncated`")
+    max_total_tokens: int = Field(RolloutLimits.max_total_tokens, ge=16, description="tokens of a whole episode "
+                                  "(prompt, turns and observations); reaching it ends the episode as `truncated`")
+    concurrency: int = Field(MAX_CONCURRENCY, ge=1, description="episodes run at once")
+    episode_timeout_s: float = Field(RolloutLimits.episode_timeout_s, gt=0, description="wall-clock limit of one "
+                                     "episode; past it the episode is aborted")
+    engine_max_batch_size: int = Field(MAX_BATCH_SIZE, ge=1, description="batch size of the embedded engine; 1 "
+                                       "makes generation independent of request timing")
+    engine_batching: Batching = Field(
+        "continuous",
+        description="the embedded engine's batching: \"continuous\" (requests join a running batch; text-only models, "
+        "others batch statically whatever this says) or \"static\" (one `generate` per batch, runs to its longest row)",
+    )
+    engine_device: str = Field("auto", description="where the embedded engine runs: \"auto\" (the first GPU if "
+                               "torch sees one, else the CPU), \"cpu\", \"cuda\", \"cuda:N\"; on a GPU it serves "
+                               "in bfloat16")
+    weight_sync: Literal["auto", "tensor", "disk"] = Field(
+        "auto",
+        description="how trained weights reach engine servers (`engine: sglang`): \"tensor\" (the state dict through "
+        "/update_weights_from_tensor, shared in memory with a server on this host: CUDA IPC or shared memory), "
+        "\"disk\" (RUN_DIR/weights/vN, loaded by path), or \"auto\": tensor when every server URL is loopback",
+    )
 
     @field_validator("engine_device")
     @classmethod

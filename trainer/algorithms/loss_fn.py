@@ -37,32 +37,40 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, validate_by_alias=True)
 
-    #: the policy loss (`algorithm.name` in a training config)
-    algorithm: Algorithm = Field("grpo", alias="name")
-    #: PPO clip range (grpo, gspo); None = the algorithm's default in `DEFAULT_CLIP`
-    clip_low: float | None = None
-    clip_high: float | None = None
-    #: dual clip for negative advantages (grpo), c > 1; None = off
-    dual_clip_c: float | None = Field(None, gt=1)
-    #: SAPO gate temperatures for positive / negative advantages
-    sapo_tau_pos: float = Field(1.0, gt=0)
-    sapo_tau_neg: float = Field(1.05, gt=0)
-    aggregation: Aggregation = "token-mean"
-    #: coefficient of the KL to the reference policy (needs ref_logprobs when > 0)
-    kl_coef: float = Field(0.0, ge=0)
-    kl_kind: KLKind = "k3"
-    #: coefficient of the entropy bonus (needs entropy when > 0)
-    entropy_coef: float = Field(0.0, ge=0)
-    #: truncated importance sampling cap on π_old / π_rollout; None = off
-    tis_cap: float | None = Field(None, gt=0)
-    #: masked importance sampling bounds on π_old / π_rollout; both None = off, one None = unbounded side
-    mis_low: float | None = None
-    mis_high: float | None = None
-    mis_level: Level = "token"
-    #: group advantages: divide by the group std (GRPO) or not (Dr.GRPO)
-    std_normalize: bool = True
-    #: DAPO dynamic sampling: drop groups whose rewards are all equal
-    filter_uniform_groups: bool = False
+    algorithm: Algorithm = Field("grpo", alias="name", description="the policy loss (`algorithm.name` in a "
+                                 "training config): grpo (PPO-clipped, token level), gspo (sequence-level ratio), "
+                                 "sapo (soft gates instead of a clip) or distill (toward `teacher`'s logprobs)")
+    clip_low: float | None = Field(None, description="PPO clip (grpo, gspo): the ratio's lower bound is "
+                                   "1 - clip_low; None = the algorithm's default in `DEFAULT_CLIP` (grpo 0.2, "
+                                   "gspo 3e-4)")
+    clip_high: float | None = Field(None, description="PPO clip (grpo, gspo): the ratio's upper bound is "
+                                    "1 + clip_high; None = the algorithm's default in `DEFAULT_CLIP` (grpo 0.28, "
+                                    "gspo 4e-4)")
+    dual_clip_c: float | None = Field(None, gt=1, description="dual clip for negative advantages (grpo), c > 1; "
+                                      "None = off")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO gate temperature for positive advantages")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO gate temperature for negative advantages")
+    aggregation: Aggregation = Field("token-mean", description="how per-token losses become one: token-mean (every "
+                                     "token of the step weighs the same, DAPO), seq-mean-token-mean (each sequence's "
+                                     "token mean, GRPO), seq-mean-token-sum (each sequence's token sum, Dr.GRPO)")
+    kl_coef: float = Field(0.0, ge=0, description="coefficient of the KL to the reference policy (the starting "
+                           "model, run frozen beside the policy when > 0)")
+    kl_kind: KLKind = Field("k3", description="the KL estimator (Schulman's): k1 = log ratio, k2 = half its square, "
+                            "k3 = ratio - log ratio - 1 (unbiased, low variance, >= 0)")
+    entropy_coef: float = Field(0.0, ge=0, description="coefficient of the entropy bonus")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling cap on π_old / π_rollout; "
+                                  "None = off")
+    mis_low: float | None = Field(None, description="masked importance sampling: lower bound on π_old / π_rollout "
+                                  "(tokens below it are dropped); both None = off, one None = unbounded side")
+    mis_high: float | None = Field(None, description="masked importance sampling: upper bound on π_old / "
+                                   "π_rollout (tokens above it are dropped); both None = off, one None = unbounded "
+                                   "side")
+    mis_level: Level = Field("token", description="masked importance sampling per token, or per sequence (the "
+                             "geometric mean of its ratios: a whole sequence is dropped at once)")
+    std_normalize: bool = Field(True, description="group advantages: divide by the group std (GRPO) or not "
+                                "(Dr.GRPO)")
+    filter_uniform_groups: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are "
+                                        "all equal")
 
     @model_validator(mode="after")
     def _combinations(self) -> Self:
