@@ -545,11 +545,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="auto",
                    help="auto (the first GPU, in bfloat16, where torch sees one; else the CPU), cpu, cuda or cuda:N")
-    from relax_gym.engines.base import API_KEY_ENV
     from relax_gym.engines.server_limits import ServerLimits
+    from relax_gym.web.keys import ENGINE_KEY_ENV, ENV_SERVER_KEY_ENV
 
     p.add_argument("--api-key-file", metavar="PATH",
-                   help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
+                   help=f"file holding the API key (default: ${ENGINE_KEY_ENV}, else one is generated and printed; "
                         "required beyond loopback)")
     for name, limit in ServerLimits.model_fields.items():
         kind = int if limit.annotation is int or int in get_args(limit.annotation) else float
@@ -564,8 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--api-key-file", metavar="PATH",
-                   help=f"file holding the API key (default: ${API_KEY_ENV}, else one is generated and printed; "
-                        "required beyond loopback)")
+                   help=f"file holding the env server's key (default: ${ENV_SERVER_KEY_ENV}, else one is generated "
+                        "and printed; required beyond loopback)")
     p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (default 1024)")
     p.add_argument("--session-timeout-s", type=float, default=600.0,
                    help="an idle session is closed after this many seconds (default 600)")

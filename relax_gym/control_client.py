@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 
 from relax_gym.errors import StartupError
+from relax_gym.web.client import bearer, error_body, error_message
+from relax_gym.web.keys import CONTROL_TOKEN_ENV, key_from_env
 
-CONTROL_TOKEN_ENV = "RELAX_GYM_CONTROL_TOKEN"
 #: in the run folder: the generated bearer token (mode 0600), and the running server's {"url", "pid"}
 TOKEN_FILE = "control_token"
 CONTROL_FILE = "control.json"
@@ -40,7 +41,7 @@ def locate(run_dir: str | os.PathLike[str] | None, url: str | None, token: str |
                                "on), and is this its run folder?") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise StartupError(f"{folder / CONTROL_FILE}: cannot read the server's URL ({err})") from None
-    token = token or os.environ.get(CONTROL_TOKEN_ENV, "").strip() or None
+    token = token or key_from_env(CONTROL_TOKEN_ENV)
     if token is None and folder is not None and (folder / TOKEN_FILE).exists():
         try:
             token = (folder / TOKEN_FILE).read_text().strip() or None
@@ -53,17 +54,11 @@ def locate(run_dir: str | os.PathLike[str] | None, url: str | None, token: str |
 
 
 def refusal(response: httpx.Response) -> str:
-    """A non-2xx answer as one line: the status and the server's `detail`."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    detail = body.get("detail") if isinstance(body, dict) else None
-    if not isinstance(detail, str):
-        detail = response.text.strip()[:300] or response.reason_phrase
-    running = body.get("running_op_id") if isinstance(body, dict) else None
-    extra = f" (running operation: {running})" if running and running not in detail else ""
-    return f"{response.status_code} {response.reason_phrase}: {' '.join(detail.split())}{extra}"
+    """A non-2xx answer as one line: the status and the server's message (and the operation that is running)."""
+    message = error_message(response)
+    running = error_body(response).get("running_op_id")
+    extra = f" (running operation: {running})" if running and running not in message else ""
+    return f"{response.status_code} {response.reason_phrase}: {message}{extra}"
 
 
 class ControlClient:
@@ -72,7 +67,7 @@ class ControlClient:
 
     def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=bearer(token), timeout=timeout_s)
 
     def __enter__(self) -> ControlClient:
         return self

@@ -12,10 +12,10 @@ manager drives it through `relax_gym.RemoteEnv` as it drives any env. Routes (JS
 - `DELETE /sessions/{id}`: closes it.
 
 The env runs with the kwargs the server was started with (a client never chooses them: a `data_path` would
-read the server's files). Every route but /health needs the API key, as `relax-gym serve`'s do, and the
-server binds to loopback unless told otherwise. A session left alone `session_timeout_s` is closed; past
-`max_sessions` a new one is refused (503). An env that raises answers 500 with the exception's type and
-message, and its session is closed: the episode is over.
+read the server's files). Every route but /health needs the env server's key (`$RELAX_GYM_ENV_KEY`, never the
+engine's: `relax_gym.web.keys`), and the server binds to loopback unless told otherwise. A session left alone
+`session_timeout_s` is closed; past `max_sessions` a new one is refused (503). An env that raises answers 500
+with the exception's type and message, and its session is closed: the episode is over.
 """
 
 from __future__ import annotations
@@ -33,12 +33,17 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from relax_gym.core import Env
-from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.env_wire import messages_to_json, plain
 from relax_gym.registration import make
+from relax_gym.web import bounds
+from relax_gym.web.errors import error_response, install_error_handlers
+from relax_gym.web.guard import Guard
+from relax_gym.web.keys import ENV_SERVER_KEY_ENV, announce_generated_key, resolve_server_key
+from relax_gym.web.serve import uvicorn_config
 
-#: largest request body: a step's action is text (media only flow out)
-MAX_BODY_BYTES = 4 * 2**20
+#: where a refused client finds the key (the 401 says it)
+KEY_HINT = (f"the key the env server printed when it started, or the {ENV_SERVER_KEY_ENV} it was started with; "
+            f"RemoteEnv reads ${ENV_SERVER_KEY_ENV}")
 
 
 class _Strict(BaseModel):
@@ -146,6 +151,7 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
 
     app = FastAPI(title=f"relax-gym env-server: {env_id}", lifespan=lifespan)
     app.state.sessions = sessions
+    install_error_handlers(app)
 
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused) -> Any:
@@ -199,19 +205,17 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
         sessions.close(sid)
         return {"closed": True}
 
-    return Guard(app, api_key=api_key, max_body_bytes=MAX_BODY_BYTES)
+    return Guard(app, api_key=api_key, max_body_bytes=bounds.ENV_SERVER.max_body_bytes, open_routes={"/health"},
+                 key_hint=KEY_HINT)
 
 
 def serve_env(env_id: str, env_kwargs: dict[str, Any] | None = None, *, host: str = "127.0.0.1", port: int = 8100,
               api_key_file: str | None = None, max_sessions: int = 1024, session_timeout_s: float = 600.0) -> None:
-    """Serves `env_id` until interrupted (see the module docstring); the API key as `relax-gym serve` takes it."""
-    from relax_gym.engines.base import API_KEY_ENV
-    from relax_gym.engines.server import resolve_api_key
-
-    api_key, generated = resolve_api_key(host, api_key_file)
+    """Serves `env_id` until interrupted (see the module docstring); the key from `api_key_file`, else
+    `$RELAX_GYM_ENV_KEY`, else generated and printed (on loopback only)."""
+    api_key, generated = resolve_server_key(host, api_key_file, ENV_SERVER_KEY_ENV)
     app = create_app(env_id, env_kwargs, api_key=api_key, max_sessions=max_sessions,
                      session_timeout_s=session_timeout_s)
     if generated:
-        print(f"API key (generated for this run): {api_key}\n  clients: export {API_KEY_ENV}={api_key}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=protocol_class(30.0), timeout_keep_alive=5,
-                                  log_level="warning")).run()
+        announce_generated_key(api_key, ENV_SERVER_KEY_ENV)
+    uvicorn.Server(uvicorn_config(app, host, port, bounds.ENV_SERVER, log_level="warning")).run()

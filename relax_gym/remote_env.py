@@ -7,7 +7,7 @@ cannot be reached, or an env that raised there, raises `RemoteEnvError` naming t
 the rollout manager ends that episode `failed` with it, and the others go on.
 
     relax-gym env-server relax/GuessNumber-v0 --port 8100
-    relax_gym.make("relax/Remote-v0", url="http://127.0.0.1:8100")   # the API key from $RELAX_GYM_API_KEY
+    relax_gym.make("relax/Remote-v0", url="http://127.0.0.1:8100")   # the key from $RELAX_GYM_ENV_KEY
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 import httpx
 
 from relax_gym.core import Env, StepResult
-from relax_gym.engines.base import api_key_from_env
 from relax_gym.env_wire import messages_from_json
 from relax_gym.messages import Message
 from relax_gym.spaces import MessageSpace
+from relax_gym.web.client import bearer, error_message
+from relax_gym.web.keys import ENV_SERVER_KEY_ENV, key_from_env
 
 
 class RemoteEnvError(RuntimeError):
@@ -32,10 +33,10 @@ class RemoteEnv(Env[list[Message]]):
     """An env served by `relax-gym env-server` at `url` (see the module docstring)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 120.0):
+        """`api_key`: the env server's key (default `$RELAX_GYM_ENV_KEY`; never the engine's)."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        key = api_key if api_key is not None else api_key_from_env()
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._headers = bearer(api_key if api_key is not None else key_from_env(ENV_SERVER_KEY_ENV))
         self._session: str | None = None
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -138,9 +139,6 @@ class RemoteEnv(Env[list[Message]]):
         if response.status_code >= 400:
             if quiet:
                 return None
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:300]
-            raise RemoteEnvError(f"env server at {self.url} answered {response.status_code}: {message}")
+            raise RemoteEnvError(f"env server at {self.url} answered {response.status_code}: "
+                                 f"{error_message(response)}")
         return response.json()

@@ -133,7 +133,7 @@ def test_every_route_but_health_needs_the_token(headers):
                 response = await client.request(method, path, json={"num_engines": 5})
                 assert response.status_code == 401, (method, path)
                 assert response.headers["www-authenticate"] == "Bearer"
-                assert "control token" in response.json()["detail"]
+                assert "control token" in response.json()["error"]["message"]
             health = await client.get("/v1/health")
             assert health.status_code == 200 and health.json() == {"ok": True}
         assert len(fleet.engines()) == 2 and manager.ops() == []  # nothing was started
@@ -192,7 +192,7 @@ def test_scale_out_bad_requests_are_400(body):
     async def test(client, fleet, manager):
         response = await client.post("/v1/engines/scale_out", json=body)
         assert response.status_code == 400, response.text
-        assert response.json()["detail"]
+        assert response.json()["error"]["message"]
         assert manager.ops() == []
 
     run_app(test)
@@ -214,7 +214,7 @@ def test_not_json_is_400():
     async def test(client, fleet, manager):
         response = await client.post("/v1/engines/scale_in", content=b"{nope",
                                      headers={"content-type": "application/json"})
-        assert response.status_code == 400 and "JSON" in response.json()["detail"]
+        assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
     run_app(test)
 
@@ -255,7 +255,8 @@ def test_one_operation_at_a_time():
         for path, body in (("/v1/engines/scale_out", {"num_engines": 5}), ("/v1/engines/scale_in", {"num_engines": 1})):
             busy = await client.post(path, json=body)
             assert busy.status_code == 409
-            assert busy.json()["running_op_id"] == first["op_id"] and first["op_id"] in busy.json()["detail"]
+            refusal = busy.json()["error"]
+            assert refusal["running_op_id"] == first["op_id"] and first["op_id"] in refusal["message"]
         assert (await client.get("/v1/status")).json()["running_op_id"] == first["op_id"]
         dry = await client.post("/v1/engines/scale_in", json={"num_engines": 1, "dry_run": True})
         assert dry.status_code == 200 and dry.json()["state"] == "DRY_RUN"  # a dry run changes nothing: allowed
@@ -275,7 +276,7 @@ def test_idempotency_key_returns_the_first_operation():
         retry = await client.post("/v1/engines/scale_out", json={"num_engines": 3}, headers=key)
         assert retry.status_code == 200 and retry.json()["op_id"] == first.json()["op_id"]  # not 409: the same op
         other = await client.post("/v1/engines/scale_out", json={"num_engines": 5}, headers=key)
-        assert other.status_code == 400 and "different request" in other.json()["detail"]
+        assert other.status_code == 400 and "different request" in other.json()["error"]["message"]
         fleet.gate.set()
         await settled(client, first.json()["op_id"])
         after = await client.post("/v1/engines/scale_out", json={"num_engines": 3}, headers=key)
@@ -298,7 +299,7 @@ def test_cancel_while_starting_then_refused_after_the_end():
         assert sorted(fleet.cancelled) == ["e2", "e3"] and len(fleet.engines()) == 2  # the fleet cleaned up
         assert {p["state"] for p in record["progress"]} == {"CANCELLED"}
         again = await client.post(f"/v1/ops/{op_id}/cancel")
-        assert again.status_code == 409 and "CANCELLED" in again.json()["detail"]
+        assert again.status_code == 409 and "CANCELLED" in again.json()["error"]["message"]
         done = (await client.post("/v1/engines/scale_out", json={"num_engines": 3})).json()["op_id"]
         fleet.gate.set()
         await settled(client, done)
@@ -338,11 +339,11 @@ def test_scale_in_removes_the_newest_first():
 def test_scale_in_never_below_the_minimum_nor_unknown_ids():
     async def test(client, fleet, manager):
         low = await client.post("/v1/engines/scale_in", json={"num_engines": 1})
-        assert low.status_code == 400 and "min_engines: 2" in low.json()["detail"]
+        assert low.status_code == 400 and "min_engines: 2" in low.json()["error"]["message"]
         both = await client.post("/v1/engines/scale_in", json={"engine_ids": ["e0"]})
-        assert both.status_code == 400 and "min_engines: 2" in both.json()["detail"]
+        assert both.status_code == 400 and "min_engines: 2" in both.json()["error"]["message"]
         unknown = await client.post("/v1/engines/scale_in", json={"engine_ids": ["e9"]})
-        assert unknown.status_code == 400 and "e9" in unknown.json()["detail"]
+        assert unknown.status_code == 400 and "e9" in unknown.json()["error"]["message"]
         assert fleet.drained == [] and manager.ops() == []
 
     run_app(test, min_engines=2)

@@ -34,7 +34,7 @@ from relax_gym.engines import (
 )
 from relax_gym.engines.base import API_KEY_ENV, EngineUnavailableError
 from relax_gym.engines.embedded import MAX_BATCH_SIZE
-from relax_gym.engines.sglang import backoff_delay, png_data_url, wav_data_url
+from relax_gym.engines.sglang import png_data_url, wav_data_url
 from relax_gym.models import LoadedModel, load_model, save_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -405,14 +405,6 @@ async def _until(condition, what: str, bound_s: float = 30.0) -> None:
 
 def _outage_logs(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "relax_gym.engines" and r.levelno == logging.WARNING]
-
-
-def test_backoff_doubles_from_the_first_delay_up_to_the_cap():
-    assert [backoff_delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
-    assert [backoff_delay(n, first_s=0.1, cap_s=0.3) for n in (1, 2, 3)] == pytest.approx([0.1, 0.2, 0.3])
-    assert backoff_delay(10**6, first_s=1e-9, cap_s=2.0) == 2.0  # no overflow however long the outage
-    with pytest.raises(ValueError, match="attempt counts from 1"):
-        backoff_delay(0)
 
 
 @pytest.mark.timeout(60)

@@ -203,8 +203,10 @@ def _lists_models_never_judges() -> Iterator[str]:
 
 def test_a_judge_that_refuses_the_key_or_is_not_there_stops_a_run_at_start_up(tmp_path, judge_server, capsys,
                                                                                 monkeypatch):
-    monkeypatch.delenv("RELAX_GYM_API_KEY", raising=False)
-    with pytest.raises(ValueError, match=r"refused no key \(none given, \$RELAX_GYM_API_KEY unset\): it answered 401"):
+    monkeypatch.delenv("RELAX_GYM_JUDGE_KEY", raising=False)
+    monkeypatch.setenv("RELAX_GYM_API_KEY", KEY)  # the judge's server would take it, but an engine's key stays home
+    unset = r"refused no key \(none given, \$RELAX_GYM_JUDGE_KEY unset\): it answered 401"
+    with pytest.raises(ValueError, match=unset):
         make("relax/JudgedQA-v0", judge={"url": judge_server, "timeout_s": 5})
     unkeyed = JudgeReward(judge_server, retries=3)
     result = unkeyed("What is 2+2?", "4")  # not asked again: a refused key stays refused

@@ -31,6 +31,9 @@ FLOOR_OF: dict[str, str] = {
     "relax_gym.errors": "records",
     "relax_gym.cpu_threads": "records",
     "relax_gym.version": "records",
+    # the HTTP foundation under the four servers and their clients (guard, error shape, in-loop server, keys,
+    # client helpers): it imports nothing of relax_gym but the errors, so every floor that serves or calls stands on it
+    "relax_gym.web": "records",
     # tools/models: messages to tokens and back with no engine: tool schemas and call parsers, model loading and
     # inputs, the code sandbox.
     "relax_gym.tools": "tools/models",
@@ -50,12 +53,11 @@ FLOOR_OF: dict[str, str] = {
     "relax_gym.remote_env": "env API",
     "relax_gym.env_server": "env API",
     "relax_gym.env_wire": "env API",
-    "relax_gym.agents.agent_env": "env API",
+    "relax_gym.agents": "env API",
     "relax_gym.envs": "env API",
     # rollout: episodes of envs against an engine: the rollout manager, its runs and checks, agent episodes and
     # the proxy they are recorded through.
     "relax_gym.rollout": "rollout",
-    "relax_gym.agents": "rollout",
     # trainer: the RL trainer (algorithms, backends, loop, cluster) and the client of a run's control API.
     "relax_gym.trainer": "trainer",
     "relax_gym.control_client": "trainer",

@@ -41,7 +41,7 @@ def env_server(env_id: str, *args: str) -> Iterator[tuple[str, subprocess.Popen]
     """`relax-gym env-server ENV` on a free loopback port, its API key `KEY`; the URL once it answers."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "relax_gym.cli", "env-server", env_id, "--port", str(port), *args],
-                            env={**os.environ, "RELAX_GYM_API_KEY": KEY}, stdout=subprocess.PIPE,
+                            env={**os.environ, "RELAX_GYM_ENV_KEY": KEY}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -140,4 +140,5 @@ def test_idle_sessions_are_closed_and_too_many_are_refused():
         assert not app.app.state.sessions.sessions
         gone = client.post(f"/sessions/{first}/reset", json={"seed": 0}, headers=auth)
         assert gone.status_code == 404 and "timed out" in gone.json()["error"]["message"]
-        assert client.post("/sessions", json={"seed": 1}, headers=auth).status_code == 422  # no such field
+        unknown = client.post("/sessions", json={"seed": 1}, headers=auth)  # no such field
+        assert unknown.status_code == 400 and "seed: Extra inputs" in unknown.json()["error"]["message"]

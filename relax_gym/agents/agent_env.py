@@ -6,7 +6,7 @@
     relax_gym.register("me/MyAgent-v0", lambda: AgentEnv(agent, tasks=my_tasks))
 
 Under `relax-gym rollout` and `relax-gym train` the rollout manager runs the agent itself: each episode gets a
-client pointed at its own session of the agent proxy (`relax_gym.agents.proxy`), which generates on the run's
+client pointed at its own session of the agent proxy (`relax_gym.rollout.agent_proxy`), which generates on the run's
 engine and records the exact tokens; the agent's return value is the episode's reward. An agent that raises
 ends its episode `failed` with the reason; one that outlives `rollout.episode_timeout_s` is `aborted`.
 

@@ -9,8 +9,6 @@ report the policy version of the weights that produced the tokens.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -18,17 +16,13 @@ import numpy as np
 from PIL import Image
 
 from relax_gym.video import Video
+from relax_gym.web.keys import ENGINE_KEY_ENV
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
-#: the environment variable `relax-gym serve` and `SGLangEngine` read the server's API key from
-API_KEY_ENV = "RELAX_GYM_API_KEY"
-
-
-def api_key_from_env() -> str | None:
-    """`$RELAX_GYM_API_KEY`, stripped; None when unset or blank."""
-    return os.environ.get(API_KEY_ENV, "").strip() or None
+#: the environment variable `relax-gym serve` and `SGLangEngine` read the engine's key from (`relax_gym.web.keys`)
+API_KEY_ENV = ENGINE_KEY_ENV
 
 
 class EngineError(RuntimeError):
@@ -155,13 +149,3 @@ class Engine(Protocol):
     async def health(self) -> bool: ...
 
     async def close(self) -> None: ...
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is this machine: a server bound there stays on it, one reached there shares its memory."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -33,7 +33,7 @@ share one served model. What differs from SGLang, by necessity:
 - `weight_version` is a string of the engine's integer version, as SGLang's is a
   string; here it only goes up (an update with an older version is refused).
 
-What it guards against (limits and defaults: `server_limits.ServerLimits`; transport: `server_guard`):
+What it guards against (limits and defaults: `server_limits.ServerLimits`; transport: `relax_gym.web.guard`):
 every route but health and model info needs the API key as a bearer token; a
 request is refused with a 4xx naming its field before it costs the server
 more than its body (a prompt or `max_new_tokens` past the context, media past
@@ -51,18 +51,15 @@ import base64
 import logging
 import math
 import os
-import secrets
 import time
 import uuid
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from PIL import Image
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -70,29 +67,35 @@ from safetensors.torch import load as load_safetensors
 
 from relax_gym.engines import tensor_ipc
 from relax_gym.engines.base import (
-    API_KEY_ENV,
     EngineError,
     GenerateOutput,
     GenerateRequest,
     RequestError,
     SamplingParams,
-    api_key_from_env,
-    is_loopback,
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
-from relax_gym.engines.server_guard import Guard, error_response, protocol_class
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_audio, decode_image, decode_video
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
-from relax_gym.errors import StartupError
 from relax_gym.tools.formats import tool_format_of
 from relax_gym.version import __version__
 from relax_gym.video import Video
+from relax_gym.web import serve as web_serve
+from relax_gym.web.address import is_loopback
+from relax_gym.web.errors import error_response, install_error_handlers
+from relax_gym.web.guard import Guard
+from relax_gym.web.keys import ENGINE_KEY_ENV, announce_generated_key, resolve_server_key
 
 logger = logging.getLogger("relax_gym.engines")
 T = TypeVar("T")
+
+#: routes anyone may call: liveness and what model is served (as SGLang leaves them open under --api-key)
+OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
+#: where a refused client finds the key (the 401 says it)
+KEY_HINT = (f"the key the server printed when it started, or the {ENGINE_KEY_ENV} it was started with; relax_gym's "
+            f"clients read ${ENGINE_KEY_ENV}")
 
 # SGLang sampling params accepted only at their neutral value: anything else would be silently ignored.
 NEUTRAL_SAMPLING = {
@@ -280,13 +283,6 @@ UNFLUSHABLE = ("flush_cache: requests are running, so the cache cannot be flushe
                "and flush first, or send flush_cache: false")
 
 
-def _field_error(err: dict[str, Any]) -> str:
-    """One validation error as "field.path: problem" (the body itself when it is not a JSON object)."""
-    if err["type"] == "json_invalid":
-        return f"body: not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})"
-    return f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
-
-
 def _listed(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
@@ -406,7 +402,9 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     `api_key=None` turns authentication off: only for a process whose port no one else can reach."""
     limits = limits or ServerLimits()
     app = FastAPI(title="relax_gym embedded engine (SGLang-native API)")
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, open_routes=OPEN_ROUTES,
+                       key_hint=KEY_HINT, cap_hint="max_body_mb")
+    install_error_handlers(app)
     name = engine.loaded.name
     context = limits.context_length or engine.context_length
     decoders = asyncio.Semaphore(MEDIA_DECODERS)
@@ -414,10 +412,6 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
     joining: set[str] = set()  # names whose /init_weights_update_group is waiting for the other ranks
     model_numel = sum(t.numel() for t in engine.model.state_dict().values())
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, "; ".join(_field_error(err) for err in exc.errors()))
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
@@ -656,35 +650,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
 def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's settings for `app` under `limits`: the read deadline, connection cap and SIGTERM drain."""
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=protocol_class(limits.read_timeout_s),
-        limit_concurrency=limits.max_connections,
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=math.ceil(limits.drain_timeout_s),
-        **kwargs,
-    )
-
-
-def resolve_api_key(host: str, key_file: str | os.PathLike | None = None) -> tuple[str, bool]:
-    """The API key from `key_file` or the environment, else a new one (only on loopback); and whether
-    it was generated. Not a command-line value: other users of the machine can read those in `ps`."""
-    if key_file is not None:
-        try:
-            key = Path(key_file).read_text().strip()
-        except OSError as err:
-            raise StartupError(f"--api-key-file {key_file}: {err.strerror or err}") from None
-        if not key:
-            raise StartupError(f"--api-key-file {key_file}: the file is empty")
-        return key, False
-    if env_key := api_key_from_env():
-        return env_key, False
-    if not is_loopback(host):
-        raise StartupError(f"serving on {host}, beyond this machine, needs an API key the clients know: set "
-                           f"{API_KEY_ENV} or pass --api-key-file")
-    return secrets.token_urlsafe(32), True
+    return web_serve.uvicorn_config(app, host, port, limits.bounds, drain_timeout_s=limits.drain_timeout_s, **kwargs)
 
 
 def serve(
@@ -703,13 +669,13 @@ def serve(
     from relax_gym.models import load_model
 
     limits = limits or ServerLimits()
-    api_key, generated = resolve_api_key(host, api_key_file)
+    api_key, generated = resolve_server_key(host, api_key_file, ENGINE_KEY_ENV)
     if not is_loopback(host):
         logger.warning("serving on %s: reachable beyond this machine over plain HTTP, so the API key travels in "
                        "clear; put TLS (a reverse proxy) or an SSH tunnel in front", host)
     engine = EmbeddedEngine(load_model(model), device=engine_device(device), **engine_kwargs)
     if generated:
-        print(f"API key (generated for this run): {api_key}\n  clients: export {API_KEY_ENV}={api_key}", flush=True)
+        announce_generated_key(api_key, ENGINE_KEY_ENV)
     try:
         uvicorn.Server(uvicorn_config(create_app(engine, api_key=api_key, limits=limits), host, port, limits,
                                       log_level="info")).run()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax_gym.web.bounds import Bounds
+
 
 class ServerLimits(BaseModel):
     """Bounds of one `relax-gym serve` process; the defaults suit a rollout fleet on one host."""
@@ -26,3 +28,7 @@ class ServerLimits(BaseModel):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+    @property
+    def bounds(self) -> Bounds:
+        return Bounds(self.max_body_bytes, self.read_timeout_s, self.max_connections)

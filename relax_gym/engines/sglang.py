@@ -66,12 +66,13 @@ from relax_gym.engines.base import (
     GenerateOutput,
     GenerateRequest,
     RequestError,
-    api_key_from_env,
-    is_loopback,
 )
 from relax_gym.engines.http_pool import ShardedTransport
 from relax_gym.engines.weight_group import dtype_name
 from relax_gym.video import Video, lossless_bytes
+from relax_gym.web.address import is_loopback
+from relax_gym.web.client import backoff_delay, bearer, error_message
+from relax_gym.web.keys import ENGINE_KEY_ENV, key_from_env
 
 logger = logging.getLogger("relax_gym.engines")
 
@@ -91,14 +92,6 @@ MAX_RESUMES = 16
 FLUSH_TIMEOUT_S = 60.0
 
 
-def backoff_delay(attempt: int, first_s: float = 0.5, cap_s: float = 5.0) -> float:
-    """Seconds to wait before retry number `attempt` (1, 2, ...): doubling from `first_s`, at most `cap_s`,
-    so a long outage is polled every `cap_s` rather than ever more rarely."""
-    if attempt < 1:
-        raise ValueError(f"attempt counts from 1, got {attempt}")
-    return min(cap_s, first_s * 2.0 ** min(attempt - 1, 64))
-
-
 def video_data_url(video: Video) -> str:
     """A clip as SGLang's `video_data` takes it: a data URL of its sampled frames, lossless, at its rate
     (`relax_gym.video.lossless_bytes`). `relax-gym serve` uses every frame; SGLang samples again by its own rate
@@ -116,19 +109,6 @@ def wav_data_url(wave: np.ndarray, rate: int) -> str:
     buffer = io.BytesIO()
     soundfile.write(buffer, np.asarray(wave, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
     return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def _message(response: httpx.Response) -> str:
-    """The server's error message: SGLang's {"error": {"message"}}, {"message"}, FastAPI's {"detail"}, or text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        error = body.get("error")
-        found = error.get("message") if isinstance(error, dict) else error
-        return str(found or body.get("message") or body.get("detail") or body)
-    return str(body)[:500]
 
 
 def _version(value: Any, fallback: int) -> int:
@@ -200,14 +180,14 @@ class SGLangEngine:
         self._info: dict[str, Any] | None = None  # `_server_info`'s
         self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
         self._outages = 0
-        api_key = api_key if api_key is not None else api_key_from_env()
+        api_key = api_key if api_key is not None else key_from_env(ENGINE_KEY_ENV)
         self._settings = {"timeout_s": timeout_s, "outage_timeout_s": outage_timeout_s, "backoff_s": backoff_s,
                           "max_backoff_s": max_backoff_s, "retries": retries, "max_connections": max_connections,
                           "api_key": api_key, "flush_timeout_s": flush_timeout_s,
                           "share_tensors": share_tensors}
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            headers=bearer(api_key),
             # pool=None: waiting for a free connection never aborts a request that its own timeout would allow
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
             transport=ShardedTransport(max_connections),  # one httpcore pool is O(n²) in concurrent requests
@@ -445,9 +425,9 @@ class SGLangEngine:
                     self._reachable()
                     if response.status_code < 400:
                         return response
-                    message = f"{where} answered {response.status_code} to {route}: {_message(response)}"
+                    message = f"{where} answered {response.status_code} to {route}: {error_message(response)}"
                     raise (RequestError if response.status_code < 500 else EngineError)(message)
-                last = f"answered {response.status_code}: {_message(response)}"
+                last = f"answered {response.status_code}: {error_message(response)}"
             now = time.monotonic()
             failed_at = now if failed_at is None else failed_at
             self._unreachable(route, last)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from relax_gym.rewards.result import RewardResult
+from relax_gym.web.client import backoff_delay, bearer, error_message
+from relax_gym.web.keys import JUDGE_KEY_ENV, key_from_env
 
 if TYPE_CHECKING:
     from relax_gym.engines.base import Engine
@@ -64,12 +66,11 @@ class JudgeReward:
                              "max_concurrency >= 1")
         if "{response}" not in template:
             raise ValueError("JudgeReward template lacks {response}: the judge would not see the answer")
-        from relax_gym.engines.base import api_key_from_env
-
         self.url = None if url is None else url.rstrip("/")
         self.engine, self.model = engine, model
         self.model_name = model_name
-        self.api_key = api_key if api_key is not None else api_key_from_env()
+        #: the judge's own key (default `$RELAX_GYM_JUDGE_KEY`): never the engine's, which a third party must not get
+        self.api_key = api_key if api_key is not None else key_from_env(JUDGE_KEY_ENV)
         self.template, self.pattern = template, re.compile(pattern, re.S)
         self.max_score, self.temperature, self.max_tokens = max_score, temperature, max_tokens
         self.timeout_s, self.retries, self.max_concurrency = timeout_s, retries, max_concurrency
@@ -91,7 +92,7 @@ class JudgeReward:
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
-                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+                await asyncio.sleep(backoff_delay(attempt))
             try:
                 reply = await asyncio.wait_for(self._ask(question), self.timeout_s)
             except TimeoutError:
@@ -134,7 +135,7 @@ class JudgeReward:
         if answer.status_code in REFUSED:
             raise JudgeRefusedError(self._refused(answer))
         if answer.status_code >= 400:
-            raise RuntimeError(f"{self.url} answered {answer.status_code}: {answer.text[:200]}")
+            raise RuntimeError(f"{self.url} answered {answer.status_code}: {error_message(answer)[:200]}")
         return str(answer.json()["choices"][0]["message"].get("content") or "")
 
     async def _ask_engine(self, question: str) -> str:
@@ -162,11 +163,11 @@ class JudgeReward:
         self._probed = True
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def _refused(self, answer: httpx.Response) -> str:
-        given = "the key given" if self.api_key else "no key (none given, $RELAX_GYM_API_KEY unset)"
-        return (f"{self.url} refused {given}: it answered {answer.status_code}; set $RELAX_GYM_API_KEY (or the "
+        given = "the key given" if self.api_key else f"no key (none given, ${JUDGE_KEY_ENV} unset)"
+        return (f"{self.url} refused {given}: it answered {answer.status_code}; set ${JUDGE_KEY_ENV} (or the "
                 f"judge's api_key) to the key its server printed")
 
     # --- the judge's event loop ------------------------------------------------------------------

@@ -10,9 +10,10 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from relax_gym.engines.base import SamplingParams, is_loopback
+from relax_gym.engines.base import SamplingParams
 from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching, engine_device
 from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
+from relax_gym.web.address import is_loopback
 
 #: episodes run at once by default (`rollout.concurrency` reads it here)
 MAX_CONCURRENCY = 256

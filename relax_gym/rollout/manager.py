@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from relax_gym.rollout.config import MAX_CONCURRENCY, RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import tool_format_of
 from relax_gym.trajectory import Status, Trajectory
+
+if TYPE_CHECKING:
+    from relax_gym.rollout.agent_proxy import ProxyServer
 
 
 def settle_heap() -> None:
@@ -109,8 +112,8 @@ class RolloutManager:
         self.sampling_seed = sampling_seed
         #: a group's episodes share their prompt's render (see `PromptCache`)
         self.prompts = PromptCache()
-        #: the agent proxy's server (`relax_gym.agents.proxy.ProxyServer`), made by the first agent episode
-        self.agent_server: Any = None
+        #: the agent proxy's server, made by the first agent episode (a run without agents never imports it)
+        self.agent_server: ProxyServer | None = None
         #: with `routed_experts`, the model's experts per token (what shapes the engine's flat routes)
         self.routes_top_k: int | None = None
         if routed_experts:
@@ -165,7 +168,7 @@ class RolloutManager:
     async def run_episode(self, pool: EnvPool, seed: int, group_id: str = "",
                           member: int = 0) -> list[Trajectory]:
         """One episode's samples: its trajectory, or an agent episode's (one per chain of calls, see
-        `relax_gym.agents.proxy`)."""
+        `relax_gym.rollout.agent_proxy`)."""
         self._ensure_threads()
         async with self._slots:
             try:
@@ -175,10 +178,15 @@ class RolloutManager:
                 episode.end("failed", f"env make raised {type(err).__name__}: {err}")
                 return [episode.trajectory()]
             if isinstance(env, AgentEnv):
-                from relax_gym.agents.episode import play_agent
+                from relax_gym.rollout.agent_episode import play_agent
+                from relax_gym.rollout.agent_proxy import ProxyServer
 
+                if self.agent_server is None:
+                    self.agent_server = ProxyServer(self.engine, self.loaded, self.sampling, self.limits,
+                                                    routes_top_k=self.routes_top_k)
                 try:
-                    return await play_agent(self, env, pool.env_id, seed, group_id, member)
+                    return await play_agent(self.agent_server, env, pool.env_id, seed, group_id, member,
+                                            sampling_seed=self.sampling_seed, timeout_s=self.limits.episode_timeout_s)
                 finally:
                     pool.release(env, healthy=True)
             if hasattr(env, "tool_format") and "tool_format" not in vars(env):

@@ -80,25 +80,14 @@ class EngineService:
         """Serves the engine over SGLang's native routes (`relax-gym serve`'s app) from this process, on a free
         port of `host`, and returns its URL: rollout workers then reach it over HTTP, as they would an SGLang
         server, and the server dies with the actor."""
-        import uvicorn
-
-        from relax_gym.engines.server import create_app, uvicorn_config
+        from relax_gym.engines.server import create_app
         from relax_gym.engines.server_limits import ServerLimits
-        from relax_gym.trainer.cluster.control_api import LoopServer, bind_listener
+        from relax_gym.web.serve import InLoopServer
 
         limits = ServerLimits()
         app = create_app(cast(EmbeddedEngine, _Counted(self.engine, self)), api_key=api_key, limits=limits)
-        sock = bind_listener(host, 0)
-        port = sock.getsockname()[1]
-        config: uvicorn.Config = uvicorn_config(app, host, port, limits, log_level="warning")
-        server = LoopServer(config)
-        self._server_task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if self._server_task.done():
-                self._server_task.result()
-                raise RuntimeError("the engine's HTTP server stopped while starting")
-            await asyncio.sleep(0.01)
-        return f"http://{host}:{port}"
+        self._http = InLoopServer(app, limits.bounds, host, 0, name="engine's HTTP server")
+        return await self._http.start()
 
     def _requests_seen(self) -> int:
         return self.progress.done + self.progress.inflight

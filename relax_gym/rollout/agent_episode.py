@@ -1,46 +1,41 @@
 """One agent episode under the rollout manager: the agent runs against its own proxy session, and each chain
-of its calls becomes a trajectory (`relax_gym.agents.proxy`)."""
+of its calls becomes a trajectory (`relax_gym.rollout.agent_proxy`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relax_gym.agents.agent_env import AgentEnv, task_text
-from relax_gym.agents.proxy import Chain, ProxyServer
 from relax_gym.rewards import RewardResult
+from relax_gym.rollout.agent_proxy import Chain, ProxyServer
 from relax_gym.trajectory import Status, Trajectory
 
-if TYPE_CHECKING:
-    from relax_gym.rollout.manager import RolloutManager
 
-
-async def play_agent(manager: RolloutManager, env: AgentEnv, env_id: str, seed: int, group_id: str,
-                     member: int) -> list[Trajectory]:
-    """Runs `env.agent` on the task `seed` names with a client on a fresh session; its chains as trajectories."""
+async def play_agent(server: ProxyServer, env: AgentEnv, env_id: str, seed: int, group_id: str, member: int, *,
+                     sampling_seed: int | None, timeout_s: float) -> list[Trajectory]:
+    """Runs `env.agent` on the task `seed` names with a client on a fresh session of `server` (started here if it
+    is not running on this loop); its chains as trajectories. `sampling_seed`: the run's, which seeds each call."""
     import openai
 
-    if manager.agent_server is None:
-        manager.agent_server = ProxyServer(manager.engine, manager.loaded, manager.sampling, manager.limits,
-                                           routes_top_k=manager.routes_top_k)
-    proxy, url = await manager.agent_server.get()
+    proxy, url = await server.get()
     task = env.draw_task(seed)
-    sid = proxy.open(None if manager.sampling_seed is None else (manager.sampling_seed, seed, member, "agent"))
+    sid = proxy.open(None if sampling_seed is None else (sampling_seed, seed, member, "agent"))
     client = openai.AsyncOpenAI(base_url=f"{url}/s/{sid}/v1", api_key=proxy.api_key, max_retries=0,
-                                timeout=manager.limits.episode_timeout_s)
+                                timeout=timeout_s)
     status: Status = "completed"
     reason, reward, detail = "", 0.0, None
     started = time.perf_counter()
     try:
-        result = await asyncio.wait_for(env.agent(client, task), manager.limits.episode_timeout_s)
+        result = await asyncio.wait_for(env.agent(client, task), timeout_s)
         if isinstance(result, RewardResult):
             reward, detail = result.score, result.to_info()
         else:
             reward = float(result)
     except TimeoutError:
-        status, reason = "aborted", f"agent timed out after {manager.limits.episode_timeout_s}s"
+        status, reason = "aborted", f"agent timed out after {timeout_s}s"
     except Exception as err:
         frames = traceback.extract_tb(err.__traceback__)
         # the agent's own line that raised, not the openai package's

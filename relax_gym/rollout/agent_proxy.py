@@ -29,7 +29,7 @@ import contextlib
 import json
 import secrets
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -43,6 +43,10 @@ from relax_gym.models.moe_routing import request_routes
 from relax_gym.rollout.config import RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens
 from relax_gym.tools.formats import tool_format_of
+from relax_gym.web import bounds
+
+if TYPE_CHECKING:
+    from relax_gym.web.serve import InLoopServer
 
 
 @dataclass
@@ -181,20 +185,17 @@ class AgentProxy:
     def app(self) -> Any:
         """The ASGI app: /s/{session}/v1/chat/completions and /s/{session}/v1/models, behind the proxy's key."""
         from fastapi import FastAPI
-        from fastapi.exceptions import RequestValidationError
         from fastapi.responses import StreamingResponse
 
-        from relax_gym.engines.server_guard import Guard, error_response
+        from relax_gym.web.errors import error_response, install_error_handlers
+        from relax_gym.web.guard import Guard
 
         app = FastAPI(title="relax-gym agent proxy")
+        install_error_handlers(app)
 
         @app.exception_handler(RequestError)
         async def _bad(request: Any, exc: RequestError) -> Any:
             return error_response(400, str(exc))
-
-        @app.exception_handler(RequestValidationError)
-        async def _invalid(request: Any, exc: RequestValidationError) -> Any:
-            return error_response(400, str(exc.errors())[:500])
 
         @app.post("/s/{sid}/v1/chat/completions")
         async def chat(sid: str, body: ChatCompletionIn) -> Any:
@@ -215,7 +216,8 @@ class AgentProxy:
             return {"object": "list", "data": [{"id": self.loaded.name, "object": "model", "created": 0,
                                                 "owned_by": "relax-gym"}]}
 
-        return Guard(app, api_key=self.api_key, max_body_bytes=64 * 2**20)
+        return Guard(app, api_key=self.api_key, max_body_bytes=bounds.AGENT_PROXY.max_body_bytes,
+                     key_hint="the key the rollout manager gave the agent's client")
 
 
 def replace_messages(body: ChatCompletionIn, messages: list[dict[str, Any]]) -> ChatCompletionIn:
@@ -239,46 +241,26 @@ class ProxyServer:
         self.engine, self.loaded, self.sampling, self.limits = engine, loaded, sampling, limits
         self.routes_top_k = routes_top_k
         self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # a lock belongs to one loop
-        self._served: tuple[AgentProxy, str, Any, asyncio.Task] | None = None
+        self._served: tuple[AgentProxy, InLoopServer] | None = None
 
     async def get(self) -> tuple[AgentProxy, str]:
         """The proxy and its URL, started here if it is not running on this loop."""
+        from relax_gym.web.serve import InLoopServer  # here: a run without agents never imports uvicorn
+
         loop = asyncio.get_running_loop()
         if self._lock is None or self._lock[0] is not loop:
             self._lock = (loop, asyncio.Lock())
         async with self._lock[1]:
-            if self._served is None or self._served[3].done() or self._served[3].get_loop() is not loop:
+            if self._served is None or not self._served[1].running_here():
                 proxy = AgentProxy(self.engine, self.loaded, self.sampling, self.limits,
                                    routes_top_k=self.routes_top_k)
-                self._served = (proxy, *await _serve(proxy.app()))
-        return self._served[0], self._served[1]
+                server = InLoopServer(proxy.app(), bounds.AGENT_PROXY, name="agent proxy")
+                await server.start()
+                self._served = (proxy, server)
+        return self._served[0], self._served[1].url
 
     async def stop(self) -> None:
         """Stops the server if it runs on this loop (one on a finished loop is gone with it)."""
         served, self._served = self._served, None
         if served is not None:
-            served[2].should_exit = True
-            if not served[3].done() and served[3].get_loop() is asyncio.get_running_loop():
-                await served[3]
-
-
-async def _serve(app: Any) -> tuple[str, Any, asyncio.Task]:
-    """`app` under uvicorn as a task of the running loop, on a free loopback port: (URL, server, task)."""
-    import socket
-
-    import uvicorn
-
-    class Quiet(uvicorn.Server):
-        def capture_signals(self) -> Any:  # the loop's owner (the trainer) keeps its signal handlers
-            return contextlib.nullcontext()
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = Quiet(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises why it could not start
-        await asyncio.sleep(0.01)
-    return f"http://127.0.0.1:{port}", server, task
+            await served[1].stop()

@@ -1,55 +1,52 @@
-"""What stands between `relax-gym serve` and the network: the API key, size and time limits, slow clients.
+"""What stands between a server and the network: the bearer key, the body cap, the read deadline.
 
-Two layers, each where it can act earliest (the bounds are `ServerLimits`):
-- `Guard` (ASGI middleware): the bearer token on every route but health and model info, and the body
-  cap, both answered before a byte of the body is parsed; the body is read here, so a client that sends
-  more than it announced (or announces nothing) is cut off at the cap.
-- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol plus one timer): a request whose header and body have
-  not fully arrived within `read_timeout_s` of its first byte, or a connection that sends nothing at all,
-  is closed. uvicorn has no such timeout: a client that sends half a header holds its connection forever.
+Two layers, each where it can act earliest (the bounds are a server's `Bounds`):
+- `Guard` (ASGI middleware): the bearer key on every route but the server's open ones (liveness, model info),
+  and the body cap, both answered before a byte of the body is parsed; the body is read here, so a client that
+  sends more than it announced (or announces nothing) is cut off at the cap.
+- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol plus one timer): a request whose header and body have not
+  fully arrived within `read_timeout_s` of its first byte, or a connection that sends nothing at all, is closed.
+  uvicorn has no such timeout: a client that sends half a header holds its connection forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Iterable
 from typing import Any
 
 import h11
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from relax_gym.engines.base import API_KEY_ENV
-
-#: routes anyone may call: liveness and what model is served (as SGLang leaves them open under --api-key)
-OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The server's error, SGLang's {"error": {"message", "code"}} shape; also an ASGI app the middleware sends."""
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
+from relax_gym.web.errors import error_response
 
 
 class Guard:
-    """ASGI middleware: the bearer token (except on `OPEN_ROUTES`), then the body, read whole up to the cap.
+    """ASGI middleware: the bearer key (except on `open_routes`), then the body, read whole up to the cap.
 
-    A refused request's body is not read by the app: uvicorn discards the rest as it arrives (no memory
-    held, bounded by the read deadline), so the client reads the refusal instead of a reset connection."""
+    `api_key=None` turns authentication off (only for a port no one else can reach). `key_hint` says, in the 401,
+    where the client finds the key; `cap_hint`, in the 413, what sets the cap. A refused request's body is not
+    read by the app: uvicorn discards the rest as it arrives (no memory held, bounded by the read deadline), so
+    the client reads the refusal instead of a reset
+    connection."""
 
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int, open_routes: Iterable[str] = (),
+                 key_hint: str = "the key the server was started with", cap_hint: str = "") -> None:
         self.app = app
         self._key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
+        self.open_routes = frozenset(open_routes)
+        self.key_hint = key_hint
+        self.cap_hint = cap_hint
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self._key is not None and scope["path"] not in OPEN_ROUTES and not self._authorized(headers):
-            message = ("missing or wrong API key: send 'Authorization: Bearer <key>' (the key the server printed "
-                       f"when it started, or the {API_KEY_ENV} it was started with; relax_gym's clients read "
-                       f"${API_KEY_ENV})")
+        if self._key is not None and scope["path"] not in self.open_routes and not self._authorized(headers):
+            message = f"missing or wrong API key: send 'Authorization: Bearer <key>' ({self.key_hint})"
             await error_response(401, message, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         declared = headers.get(b"content-length", b"0")
@@ -77,7 +74,8 @@ class Guard:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
 
     def _too_large(self, size: int) -> str:
-        return f"request body: {size} bytes is over the server's limit of {self.max_body_bytes} (max_body_mb)"
+        hint = f" ({self.cap_hint})" if self.cap_hint else ""
+        return f"request body: {size} bytes is over the server's limit of {self.max_body_bytes}{hint}"
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -101,7 +99,7 @@ class GuardedH11Protocol(H11Protocol):
     connection arrive; disarmed once h11 has seen the request's end. If it fires first, the
     connection is closed (a request already being handled sees a disconnect)."""
 
-    read_timeout_s: float  # set by `protocol_class` from `ServerLimits.read_timeout_s`
+    read_timeout_s: float  # set by `protocol_class`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
