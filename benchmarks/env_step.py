@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 
 import relax_gym
-from relax_gym.conformance import SCRIPTED_EPISODES
+from relax_gym.env.conformance import scripted_actions
 from relax_gym.messages import user
 
-SCRIPTS = SCRIPTED_EPISODES  # the conformance checker plays the same episodes
+#: The bundled ids timed here. Each plays its `scripted_actions()` hook, as the conformance checker does.
+ENV_IDS = ["relax/Math-v0", "relax/MathTool-v0", "relax/DeepEyes-v0", "relax/AudioQA-v0", "relax/Arithmetic-v0",
+           "relax/Countdown-v0", "relax/GuessNumber-v0", "relax/ReasoningGym-v0"]
 
 
 class Echo(relax_gym.Env):
@@ -34,8 +36,12 @@ class Echo(relax_gym.Env):
         return [user(action)], 0.0, False, False, {}
 
 
-def steps_per_second(make: Callable[[], relax_gym.Env], script: list[str], episodes: int) -> float:
+def steps_per_second(make: Callable[[], relax_gym.Env], episodes: int, script: list[str] | None = None) -> float:
+    """`script` plays each episode; by default the env's `scripted_actions()` (fixed per env, so read once)."""
     env = make()
+    if script is None:
+        env.reset(seed=0)
+        script = scripted_actions(env)
     steps = 0
     start = time.perf_counter()
     for episode in range(episodes):
@@ -53,11 +59,11 @@ def steps_per_second(make: Callable[[], relax_gym.Env], script: list[str], episo
 
 
 def measure(episodes: int = 50) -> dict:
-    baseline = steps_per_second(Echo, ["hello"] * 4, episodes * 4)
+    baseline = steps_per_second(Echo, episodes * 4, ["hello"] * 4)
     rows = {}
-    for env_id, script in SCRIPTS.items():
+    for env_id in ENV_IDS:
         try:
-            rate = steps_per_second(lambda env_id=env_id: relax_gym.make(env_id), script, episodes)
+            rate = steps_per_second(lambda env_id=env_id: relax_gym.make(env_id), episodes)
         except ImportError as err:  # an optional extra that is not installed
             rows[env_id] = {"skipped": str(err).splitlines()[0]}
             continue

@@ -6,7 +6,7 @@ third-party packages). Entry points are strings, so registering imports no env
 module; each loads when its env is first made.
 """
 
-from relax_gym.registration import register
+from relax_gym.env.registration import register
 
 # An editable install puts the repo root on sys.path, where this folder is also `envs`: one name, one copy.
 if __name__ != "relax_gym.envs":
@@ -19,7 +19,7 @@ BUNDLED: dict[str, str] = {
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
     "relax/AVQA-v0": "relax_gym.envs.av_qa:AVQAEnv",
-    "relax/Remote-v0": "relax_gym.remote_env:RemoteEnv",
+    "relax/Remote-v0": "relax_gym.env.remote_env:RemoteEnv",
     "relax/JudgedQA-v0": "relax_gym.envs.judged_qa:JudgedQAEnv",
     "relax/Arithmetic-v0": "relax_gym.envs.procedural:ArithmeticEnv",
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from relax_gym.core import Env, StepResult
+from relax_gym.env.core import Env, StepResult
+from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.envs.audio_io import AudioSource, load_audio, resample, valid_rate
 from relax_gym.envs.datasets import DatasetError, load_records, record_index, require_gold, shipped_path
 from relax_gym.messages import Message, Part, audio, message, text
 from relax_gym.rewards import RewardResult, multiple_choice_reward
-from relax_gym.single_turn import SingleTurnEnv
 
 LETTERS = string.ascii_uppercase
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -114,6 +114,10 @@ class AudioQAEnv(SingleTurnEnv):
     def task_info(self, task: int) -> dict[str, Any]:
         record = self.tasks[task]
         return {"id": record.id, "task": record.task, "index": task, "num_clips": len(record.clips)}
+
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): one choice."""
+        return ["<answer>A</answer>"]
 
     def step(self, action: str) -> StepResult:
         observation, reward, terminated, truncated, info = super().step(action)

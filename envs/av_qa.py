@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from relax_gym.core import Env
+from relax_gym.env.core import Env
+from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.envs.audio_io import AudioSource, load_audio
 from relax_gym.envs.audio_qa import DATA_SUFFIXES, answer_letter
 from relax_gym.envs.datasets import DatasetError, load_records, read_image, record_index, require_gold
 from relax_gym.messages import Message, audio, image, message, text
 from relax_gym.rewards import RewardResult, multiple_choice_reward
-from relax_gym.single_turn import SingleTurnEnv
 
 LETTERS = string.ascii_uppercase
 INSTRUCTION = "Answer with the letter of the correct option inside <answer></answer>, e.g. <answer>A</answer>."

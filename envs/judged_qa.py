@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from relax_gym.core import Env
+from relax_gym.env.core import Env
+from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.envs.datasets import DatasetError, load_records, record_index, require_gold
 from relax_gym.rewards import RewardResult
 from relax_gym.rewards.judge import JudgeReward, shared_judge
-from relax_gym.single_turn import SingleTurnEnv
 
 QUESTIONS: tuple[tuple[str, str], ...] = (
     ("Why is the sky blue on a clear day?", "Air molecules scatter short (blue) wavelengths of sunlight more "

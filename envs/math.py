@@ -16,13 +16,13 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from relax_gym.core import Env
+from relax_gym.env.core import Env
+from relax_gym.env.single_turn import SingleTurnEnv
+from relax_gym.env.tool_env import ToolEnv
 from relax_gym.envs.datasets import DatasetError, load_records, pick, require_gold, shipped_path
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
 from relax_gym.sandbox import Sandbox, SandboxConfig
-from relax_gym.single_turn import SingleTurnEnv
-from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import tool
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -193,6 +193,10 @@ class MathEnv(MathHooks, SingleTurnEnv):
         self.timeout_s = timeout_s
         super().__init__()
 
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a boxed answer."""
+        return ["The answer is \\boxed{42}."]
+
 
 class MathToolEnv(MathHooks, ToolEnv):
     """Multi-turn math with a sandboxed `python` tool; final answer in \\boxed{}."""
@@ -235,6 +239,10 @@ class MathToolEnv(MathHooks, ToolEnv):
                 self._sandbox = Sandbox(self.sandbox_config)
             sandbox = self._sandbox
         return sandbox.run(code).summary()
+
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a `python` call, then an answer."""
+        return [self.tool_format.write_calls([("python", {"code": "print(6*7)"})]), "\\boxed{42}"]
 
     def close(self) -> None:
         with self._sandbox_lock:

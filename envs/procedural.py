@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from relax_gym.core import Env, EpisodeState, StepResult
+from relax_gym.env.core import Env, EpisodeState, StepResult
+from relax_gym.env.single_turn import SingleTurnEnv
+from relax_gym.env.spaces import MessageSpace
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_boxed, extract_tag
-from relax_gym.single_turn import SingleTurnEnv
-from relax_gym.spaces import MessageSpace
 
 _INTEGER = re.compile(r"(?<!\w)-?\d+")
 MAX_INT_DIGITS = 30  # longer "integers" are junk; int() of a huge string is slow and capped by Python
@@ -120,6 +120,10 @@ class ArithmeticEnv(SingleTurnEnv):
     def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
         return {"answer_format": self.answer_format}
 
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): one plain answer."""
+        return ["7"]
+
 
 class CountdownEnv(SingleTurnEnv):
     """Countdown: reach the target with + - * / using each given number at most once."""
@@ -178,6 +182,10 @@ class CountdownEnv(SingleTurnEnv):
             return RewardResult(partial, detail=f"equals {value}, not {task['target']}", extracted=equation)
         return RewardResult(1.0, extracted=equation)
 
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): one answer."""
+        return ["<answer>(1+2)*3</answer>"]
+
 
 class GuessNumberEnv(EpisodeState, Env[list[Message]]):
     """Guess a secret integer in [low, high] from higher/lower feedback."""
@@ -221,6 +229,10 @@ class GuessNumberEnv(EpisodeState, Env[list[Message]]):
             info |= {"feedback": feedback, "truncated_by": "max_turns", "reward": result.to_info()}
             return observation, 0.0, False, True, info
         return observation, 0.0, False, False, {**info, "feedback": feedback}
+
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a bisecting run of guesses."""
+        return ["8", "4", "12", "2", "6", "10"]
 
     def _found_reward(self, turn: int) -> float:
         """1.0, or with `shaped` 1.0 on the first guess falling linearly to 1/max_turns on the last."""

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from relax_gym.core import Env
+from relax_gym.env.core import Env
+from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.messages import Message, message
 from relax_gym.rewards import RewardResult, extract_tag
-from relax_gym.single_turn import SingleTurnEnv
 
 INSTALL_HINT = "pip install 'relax-gym[reasoning-gym]'"
 
@@ -93,6 +93,10 @@ class ReasoningGymEnv(SingleTurnEnv):
             return RewardResult(0.0, "error", f"score_answer returned {score}", given[:200])
         detail = None if tagged is not None else "no <answer> tag; graded the whole reply"
         return RewardResult(score, detail=detail, extracted=given[:200])
+
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): one tagged answer."""
+        return ["<answer>4</answer>"]
 
     def task_info(self, task: dict[str, Any]) -> dict[str, Any]:
         source = (task["entry"].get("metadata") or {}).get("source_dataset", self.dataset_name)

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from relax_gym.core import Env
+from relax_gym.env.core import Env
+from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.messages import Message, message, text, video
 from relax_gym.rewards import RewardResult, multiple_choice_reward
-from relax_gym.single_turn import SingleTurnEnv
 from relax_gym.video import Video, video_from_frames
 
 KINDS: tuple[str, ...] = ("count", "direction", "order", "moved")

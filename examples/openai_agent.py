@@ -16,7 +16,7 @@ session of the agent proxy, which records the exact tokens for training.
 import json
 
 import relax_gym
-from relax_gym.agents import AgentEnv
+from relax_gym.env.agent_env import AgentEnv
 
 WEATHER = {"Paris": 18, "Oslo": 3, "Cairo": 31, "Lima": 22, "Tokyo": 15}
 TOOLS = [{

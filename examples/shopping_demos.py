@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 
 from relax_gym.engines import ScriptedEngine
+from relax_gym.env.registration import resolve_env_id
 from relax_gym.models import LoadedModel, load_model
-from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutLimits, RolloutManager
 from relax_gym.tools import tool_format_for
 from relax_gym.trajectory import write_jsonl

@@ -10,8 +10,8 @@ importing any submodule (the engines, the trainer) runs no env or plugin code.
 from typing import TYPE_CHECKING, Any
 
 from relax_gym import envs  # noqa: F401  (registers the bundled ids, once)
-from relax_gym.core import Env, EpisodeOverError, EpisodeState, StepResult
-from relax_gym.registration import (
+from relax_gym.env.core import Env, EpisodeOverError, EpisodeState, StepResult
+from relax_gym.env.registration import (
     EnvArgumentError,
     UnknownEnvError,
     describe,
@@ -21,20 +21,20 @@ from relax_gym.registration import (
     registry,
     spec,
 )
+from relax_gym.env.single_turn import SingleTurnEnv
+from relax_gym.env.tool_env import ToolEnv
 from relax_gym.rewards import RewardResult
-from relax_gym.single_turn import SingleTurnEnv
-from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import Tool, tool
 from relax_gym.version import __version__
 
 if TYPE_CHECKING:
-    from relax_gym.remote_env import RemoteEnv, RemoteEnvError
+    from relax_gym.env.remote_env import RemoteEnv, RemoteEnvError
 
 
 def __getattr__(name: str) -> Any:
     """`RemoteEnv` and `RemoteEnvError` on first use: importing relax_gym costs no HTTP client."""
     if name in ("RemoteEnv", "RemoteEnvError"):
-        from relax_gym import remote_env
+        from relax_gym.env import remote_env
 
         return getattr(remote_env, name)
     raise AttributeError(f"module 'relax_gym' has no attribute {name!r}")

@@ -20,7 +20,7 @@ console = Console()
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
-    from relax_gym.registration import describe, list_envs
+    from relax_gym.env.registration import describe, list_envs
 
     rows = []
     for env_id in list_envs():
@@ -59,8 +59,8 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from relax_gym.conformance import FAILED, NOT_EXERCISED, resolve, run_checks
-    from relax_gym.registration import EnvArgumentError, UnknownEnvError
+    from relax_gym.env.conformance import FAILED, NOT_EXERCISED, resolve, run_checks
+    from relax_gym.env.registration import EnvArgumentError, UnknownEnvError
 
     env_kwargs: dict[str, object] = {}
     for pair in args.env_arg:  # one at a time, so an error names the pair
@@ -373,8 +373,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_env_server(args: argparse.Namespace) -> int:
-    from relax_gym.env_server import serve_env
-    from relax_gym.registration import resolve_env_id
+    from relax_gym.env.env_server import serve_env
+    from relax_gym.env.registration import resolve_env_id
 
     serve_env(resolve_env_id(args.env), _key_values(args.env_arg), host=args.host, port=args.port,
               api_key_file=args.api_key_file, max_sessions=args.max_sessions,
@@ -610,9 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user's input can cause (a config key, an env, a data file, a model): one line, exit 2."""
+    from relax_gym.env.registration import EnvArgumentError, UnknownEnvError
     from relax_gym.envs.datasets import DatasetError
     from relax_gym.errors import StartupError
-    from relax_gym.registration import EnvArgumentError, UnknownEnvError
 
     return StartupError, UnknownEnvError, EnvArgumentError, DatasetError
 

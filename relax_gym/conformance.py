@@ -1,506 +1,59 @@
-"""Conformance checks for environments: gymnasium's `check_env` plus what relax_gym relies on.
+"""Moved to relax_gym.env.conformance; this path re-exports it for one release."""
 
-The rollout manager assumes more than gymnasium checks: observations render to
-valid chat messages, the same seed gives the same prompt, any text the model
-writes is survivable, `info` can be written to JSONL, snapshots resume exactly,
-and the modalities an env declares are the ones it emits. Each check runs on
-its own so one failure does not hide the others.
-
-A check passes, fails, or was *not exercised*: random text never calls a tool,
-so a snapshot taken after it cannot show state the tools keep. The state check
-therefore plays actions that reach the tools: the env's `scripted_actions()`
-hook (see `ScriptedEnv`), a bundled script, or calls synthesised from the tool
-schemas; when none holds state to restore it says so instead of passing.
-"""
-
-from __future__ import annotations
-
-import asyncio
-import copy
-import functools
-import json
-import math
-import re
-import traceback
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
-
-import numpy as np
-from gymnasium.utils.env_checker import check_env, data_equivalence
-
-from relax_gym.core import Env
-from relax_gym.messages import MessageError, modalities, validate_messages
-from relax_gym.registration import (
-    EnvTargetError,
-    check_kwargs,
-    env_class,
-    import_env_source,
-    list_envs,
-    make,
-    spec,
-    split_env_target,
+from relax_gym.env.conformance import (
+    CHECKS,
+    FAILED,
+    MAX_STEPS,
+    N_SEEDS,
+    NOT_EXERCISED,
+    PASSED,
+    RANDOM_EPISODES,
+    STATE_SEED,
+    TOOL_ATTEMPTS,
+    CheckFailure,
+    CheckReport,
+    CheckResult,
+    NotExercised,
+    ScriptedEnv,
+    check_async,
+    check_gymnasium,
+    check_modalities,
+    check_random_actions,
+    check_reset,
+    check_state,
+    check_tools,
+    resolve,
+    run_checks,
+    scripted_actions,
+    synthesised_tool_calls,
+    tool_call,
 )
-from relax_gym.tools.formats import HERMES, ToolCallFormat
 
-N_SEEDS = 3
-RANDOM_EPISODES = 4
-MAX_STEPS = 8
-STATE_SEED = 7
-TOOL_ATTEMPTS = 4  # argument guesses per tool
-
-PASSED, FAILED, NOT_EXERCISED = "passed", "failed", "not exercised"
-
-#: Episodes for the bundled ids (a tool call where the env has tools, then an answer), shared with
-#: benchmarks/env_step.py. An env of your own offers `scripted_actions()` instead (see ScriptedEnv).
-SCRIPTED_EPISODES: dict[str, list[str]] = {
-    "relax/Math-v0": ["The answer is \\boxed{42}."],
-    "relax/MathTool-v0": ['<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>',
-                          "\\boxed{42}"],
-    "relax/DeepEyes-v0": ['<tool_call>{"name": "image_zoom_in", "arguments": {"bbox_2d": [100, 100, 400, 300]}}'
-                          "</tool_call>", "<answer>red</answer>"],
-    "relax/AudioQA-v0": ["<answer>A</answer>"],
-    "relax/Arithmetic-v0": ["7"],
-    "relax/Countdown-v0": ["<answer>(1+2)*3</answer>"],
-    "relax/GuessNumber-v0": ["8", "4", "12", "2", "6", "10"],
-    "relax/ReasoningGym-v0": ["<answer>4</answer>"],
-}
-
-
-@runtime_checkable
-class ScriptedEnv(Protocol):
-    """The optional hook an env offers so checks and benchmarks can play it through its tools.
-
-    `scripted_actions()` is called right after `reset` and returns the
-    assistant turns of one plausible episode: tool calls that succeed (so
-    the state the tools keep gets built), then an answer. They need not win.
-    """
-
-    def scripted_actions(self) -> list[str]: ...
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str  # PASSED, FAILED or NOT_EXERCISED
-    detail: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.status == PASSED
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "passed": self.passed, "detail": self.detail}
-
-
-@dataclass
-class CheckReport:
-    target: str
-    results: list[CheckResult] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """No check failed; one that was not exercised does not fail the run, but `not_exercised` names it."""
-        return all(r.status != FAILED for r in self.results)
-
-    @property
-    def not_exercised(self) -> list[str]:
-        return [r.name for r in self.results if r.status == NOT_EXERCISED]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "passed": self.passed, "not_exercised": self.not_exercised,
-                "results": [r.to_dict() for r in self.results], "warnings": list(self.warnings)}
-
-
-class CheckFailure(AssertionError):
-    pass
-
-
-class NotExercised(Exception):
-    """The check ran but nothing it did could have shown a failure."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckFailure(message)
-
-
-def _rendered(env: Env, obs: Any, where: str) -> list:
-    try:
-        msgs = env.format_observation(obs)
-        validate_messages(msgs)
-    except MessageError as err:
-        raise CheckFailure(f"{where}: format_observation returned invalid messages: {err}") from err
-    return msgs
-
-
-def _json_info(info: Any, where: str) -> None:
-    _require(isinstance(info, dict), f"{where}: info must be a dict, got {type(info).__name__}")
-    try:
-        json.dumps(info)
-    except (TypeError, ValueError) as err:
-        raise CheckFailure(f"{where}: info is not JSON-serialisable: {err}") from err
-
-
-def check_gymnasium(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check_env(env, skip_render_check=True)
-    env.close()
-    return "; ".join(sorted({str(w.message) for w in caught}))
-
-
-def check_reset(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-    for seed in range(N_SEEDS):
-        obs_a, info_a = env.reset(seed=seed)
-        msgs_a = copy.deepcopy(_rendered(env, obs_a, f"reset(seed={seed})"))
-        _require(len(msgs_a) > 0, f"reset(seed={seed}) rendered no messages: the model would get an empty prompt")
-        _json_info(info_a, f"reset(seed={seed})")
-        obs_b, _ = env.reset(seed=seed)
-        msgs_b = _rendered(env, obs_b, f"reset(seed={seed}) again")
-        _require(data_equivalence(msgs_a, msgs_b), f"reset(seed={seed}) twice gave different observations")
-        _require(
-            data_equivalence(msgs_b, _rendered(env, obs_b, "format_observation again")),
-            "format_observation gave different messages for the same observation",
-        )
-    env.close()
-    return f"{N_SEEDS} seeds"
-
-
-def check_random_actions(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-    steps = 0
-    probes = ["", "<tool_call>", "<tool_call>{not json</tool_call>", '<tool_call>{"name": 1}</tool_call>', "\x00" * 5]
-    for episode in range(RANDOM_EPISODES + len(probes)):
-        env.reset(seed=100 + episode)
-        env.action_space.seed(episode)
-        for t in range(MAX_STEPS):
-            action = probes[episode - RANDOM_EPISODES] if episode >= RANDOM_EPISODES and t == 0 else None
-            action = env.action_space.sample() if action is None else action
-            where = f"episode {episode} step {t}"
-            try:
-                obs, reward, terminated, truncated, info = env.step(action)
-            except Exception as err:
-                raise CheckFailure(f"{where}: step({action[:60]!r}) raised {type(err).__name__}: {err}") from err
-            steps += 1
-            _rendered(env, obs, where)
-            _json_info(info, where)
-            _require(isinstance(reward, int | float | np.number) and math.isfinite(float(reward)),
-                     f"{where}: reward {reward!r} is not a finite number")
-            _require(isinstance(terminated, bool | np.bool_) and isinstance(truncated, bool | np.bool_),
-                     f"{where}: terminated/truncated must be bools")
-            if terminated or truncated:
-                break
-    env.close()
-    return f"{steps} steps over {RANDOM_EPISODES + len(probes)} episodes"
-
-
-def check_modalities(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-    declared = set(env.metadata.get("modalities", ("text",)))
-    seen: set[str] = set()
-    for seed in range(N_SEEDS):
-        obs, _ = env.reset(seed=seed)
-        seen |= modalities(_rendered(env, obs, f"reset(seed={seed})"))
-        env.action_space.seed(seed)
-        obs, *_ = env.step(env.action_space.sample())
-        seen |= modalities(_rendered(env, obs, f"step after reset(seed={seed})"))
-    env.close()
-    extra = seen - declared
-    _require(not extra, f"returned {sorted(extra)} content but metadata['modalities'] declares {sorted(declared)}")
-    missing = declared - seen - {"text"}
-    _require(not missing, f"declares {sorted(missing)} but returned none in {N_SEEDS} episodes")
-    return f"declared {sorted(declared)}"
-
-
-def check_tools(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-    schemas = list(getattr(env, "tool_schemas", []) or [])
-    names = []
-    for s in schemas:
-        fn = s.get("function", {}) if isinstance(s, dict) else {}
-        _require(s.get("type") == "function" and isinstance(fn.get("name"), str), f"malformed tool schema {s!r}")
-        _require(fn.get("parameters", {}).get("type") == "object", f"tool {fn['name']}: parameters must be an object")
-        json.dumps(s)
-        names.append(fn["name"])
-    declared = list(env.metadata.get("tools", ()))
-    _require(sorted(declared) == sorted(names), f"metadata['tools'] {declared} != offered tool schemas {names}")
-    env.close()
-    return f"{len(names)} tools"
-
-
-def tool_call(name: str, arguments: dict[str, Any], tool_format: ToolCallFormat = HERMES) -> str:
-    """An action calling one tool, in `tool_format` (an env's `tool_format`; Hermes `<tool_call>` by default)."""
-    return tool_format.write_calls([(name, arguments)])
-
-
-def scripted_actions(env: Env) -> list[str]:
-    """Actions that play `env`'s current episode and reach its tools, or [] when it has none.
-
-    The env's own `scripted_actions()` hook comes first (see `ScriptedEnv`);
-    bundled envs without one use `SCRIPTED_EPISODES`. The conformance checker
-    and `benchmarks/env_step.py` both play these, so they cannot drift.
-    """
-    hook = getattr(env, "scripted_actions", None)
-    if callable(hook):
-        actions = [a for a in hook() if isinstance(a, str)]
-        if actions:
-            return actions
-    env_spec = getattr(env.unwrapped, "spec", None)
-    return list(SCRIPTED_EPISODES.get(env_spec.id, [])) if env_spec is not None else []
-
-
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
-_QUOTED = re.compile(r""""([^"]{1,40})"|`([^`]{1,40})`|(?<!\w)'([^']{1,40})'""")
-
-
-def _plausible_values(schema: dict[str, Any]) -> list[Any]:
-    """Values for one JSON-schema parameter, likeliest first: its enum, examples its description gives, stock ones."""
-    if schema.get("enum"):
-        return list(schema["enum"])
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind is None and isinstance(schema.get("anyOf"), list):
-        kind = next((s.get("type") for s in schema["anyOf"] if isinstance(s, dict) and s.get("type") != "null"), None)
-    described = str(schema.get("description", ""))
-    numbers = [float(n) for n in _NUMBER.findall(described)]
-    if kind == "integer":
-        return [*dict.fromkeys([int(n) for n in numbers if n.is_integer()] + [1, 2, 0, 10])]
-    if kind == "number":
-        return [*dict.fromkeys([*numbers, 1.0, 0.5, 10.0])]
-    if kind == "boolean":
-        return [True, False]
-    if kind == "string":
-        quoted = ["".join(groups) for groups in _QUOTED.findall(described)]
-        return [*dict.fromkeys([*quoted, "1", "test", "a"])]
-    if kind == "array":
-        items = schema.get("items")
-        if not isinstance(items, dict):
-            items = {}
-        if items.get("type") in ("integer", "number"):
-            return [[10, 10, 100, 100], [1, 2], []]
-        return [[v] for v in _plausible_values(items)[:2]] + [[]] if items else [[]]
-    if kind == "object":
-        return [_arguments(schema, 0)]
-    return [None]
-
-
-def _arguments(parameters: dict[str, Any], attempt: int) -> dict[str, Any]:
-    """The `attempt`-th guess at arguments: required ones only, each cycling through its plausible values."""
-    props = parameters.get("properties") or {}
-    required = [n for n in parameters.get("required", list(props)) if n in props]
-    out = {}
-    for name in required:
-        values = _plausible_values(props[name] if isinstance(props[name], dict) else {})
-        out[name] = values[attempt % len(values)]
-    return out
-
-
-def _tool_names(env: Env) -> list[str]:
-    return [s["function"]["name"] for s in getattr(env, "tool_schemas", None) or []
-            if isinstance(s, dict) and isinstance(s.get("function", {}).get("name"), str)]
-
-
-def _reached_tool(before: dict[str, Any], info: dict[str, Any], msgs: list, names: list[str]) -> bool:
-    """Whether a step ran a tool without error: ToolEnv counts successes in `info`, other envs show tool messages."""
-    if isinstance(info.get("tool_successes"), int):
-        return info["tool_successes"] > int(before.get("tool_successes", 0) or 0)
-    for m in msgs:
-        first = next((p.get("text", "") for p in m.get("content", []) if p.get("type") == "text"), "")
-        if m.get("role") == "tool" and m.get("name") in names and not first.startswith("Error"):
-            return True
-    return False
-
-
-def synthesised_tool_calls(make_env: Callable[[], Env]) -> list[str]:
-    """One working call per tool, its arguments guessed from the schema: each guess is tried on a fresh episode."""
-    env = make_env()
-    calls = []
-    try:
-        for schema in getattr(env, "tool_schemas", None) or []:
-            fn = schema.get("function", {}) if isinstance(schema, dict) else {}
-            if not isinstance(fn.get("name"), str):
-                continue
-            for attempt in range(TOOL_ATTEMPTS):
-                action = tool_call(fn["name"], _arguments(fn.get("parameters") or {}, attempt),
-                                   getattr(env, "tool_format", HERMES))
-                _, info = env.reset(seed=STATE_SEED)
-                obs, *_, step_info = env.step(action)
-                if _reached_tool(info, step_info, env.format_observation(obs), [fn["name"]]):
-                    calls.append(action)
-                    break
-    finally:
-        env.close()
-    return calls
-
-
-def _differs(a: Any, b: Any) -> bool:
-    try:
-        return not data_equivalence(a, b)
-    except Exception:  # a snapshot gymnasium cannot compare: assume it differs rather than call the check idle
-        return True
-
-
-def _outcome(env: Env, result: tuple) -> tuple:
-    obs, reward, terminated, truncated, _ = result
-    return copy.deepcopy(env.format_observation(obs)), float(reward), bool(terminated), bool(truncated)
-
-
-def _replay(env: Env, actions: list[str], expected: list[tuple], where: str, first: int) -> None:
-    for offset, (action, want) in enumerate(zip(actions, expected, strict=True)):
-        got = _outcome(env, env.step(action))
-        if not (data_equivalence(want[0], got[0]) and want[1:] == got[1:]):
-            what = "observation" if not data_equivalence(want[0], got[0]) else "reward/terminated/truncated"
-            raise CheckFailure(f"{where}, step {first + offset + 1} ({action[:60]!r}) differs from the original "
-                               f"episode in its {what}: get_state/set_state misses part of the state")
-
-
-def check_state(make_env: Callable[[], Env]) -> str:
-    """Plays actions that reach the env's tools, snapshotting before each; every snapshot must replay identically.
-
-    A snapshot is restored into another env (after its own reset) and into
-    the same env after it moved on. When no snapshot held state that tools
-    built (or, without tools, anything a reset env lacks), the round trip
-    proved nothing, and the check says it was not exercised.
-    """
-    env = make_env()
-    if not env.supports_state:
-        env.close()
-        return "not offered"
-    names = _tool_names(env)
-    _, info = env.reset(seed=STATE_SEED)
-    actions, source = scripted_actions(env), "scripted actions"
-    if not actions and names:
-        actions, source = synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
-    if not actions:
-        env.action_space.seed(STATE_SEED)
-        actions, source = [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
-    snapshots, expected, tools_before = [], [], []
-    reached = False
-    for action in actions[:MAX_STEPS]:
-        snapshots.append(copy.deepcopy(env.get_state()))
-        tools_before.append(reached)
-        result = env.step(action)
-        expected.append(_outcome(env, result))
-        reached |= _reached_tool(info, result[4], expected[-1][0], names)
-        info = result[4]
-        if result[2] or result[3]:
-            break
-    played = actions[: len(expected)]
-    other = make_env()
-    exercised = 0
-    try:
-        for k, snapshot in enumerate(snapshots):
-            other.reset(seed=0)
-            if _differs(snapshot, other.get_state()) and (tools_before[k] or not names):
-                exercised += 1
-            other.set_state(copy.deepcopy(snapshot))
-            _replay(other, played[k:], expected[k:], f"after set_state(snapshot before step {k + 1}) in another env", k)
-        for k in reversed(range(len(snapshots))):
-            env.set_state(copy.deepcopy(snapshots[k]))
-            _replay(env, played[k:], expected[k:], f"after rewinding the same env to before step {k + 1}", k)
-    finally:
-        env.close()
-        other.close()
-    if not exercised:
-        if names:
-            scripted = source == "scripted actions"
-            tried = f"in {len(played)} {source}" if scripted else (
-                f"with {TOOL_ATTEMPTS} argument guesses per tool, nor in {len(played)} {source}")
-            fix = "make its scripted_actions() call them" if scripted else "give the env a scripted_actions() hook"
-            raise NotExercised(f"no call to {', '.join(names)} succeeded {tried}, so no snapshot held state the "
-                               f"tools keep; {fix}")
-        raise NotExercised(f"no snapshot over {len(played)} {source} held anything a freshly reset env lacks, "
-                           "so set_state had nothing to restore")
-    return f"{exercised} of {len(snapshots)} snapshots over {len(played)} {source} resume identically"
-
-
-def check_async(make_env: Callable[[], Env]) -> str:
-    env = make_env()
-
-    async def run() -> None:
-        obs, _ = await env.areset(seed=0)
-        sync_obs, _ = make_env().reset(seed=0)
-        _require(data_equivalence(env.format_observation(obs), env.format_observation(sync_obs)),
-                 "areset(seed=0) differs from reset(seed=0)")
-        await env.astep("")
-
-    asyncio.run(run())
-    env.close()
-    return "areset/astep"
-
-
-CHECKS: list[tuple[str, Callable[[Callable[[], Env]], str]]] = [
-    ("gymnasium.check_env", check_gymnasium),
-    ("reset is deterministic per seed", check_reset),
-    ("random actions never crash", check_random_actions),
-    ("declared modalities match", check_modalities),
-    ("tool schemas", check_tools),
-    ("state round trip", check_state),
-    ("async api", check_async),
+__all__ = [
+    "CHECKS",
+    "FAILED",
+    "MAX_STEPS",
+    "NOT_EXERCISED",
+    "N_SEEDS",
+    "PASSED",
+    "RANDOM_EPISODES",
+    "STATE_SEED",
+    "TOOL_ATTEMPTS",
+    "CheckFailure",
+    "CheckReport",
+    "CheckResult",
+    "NotExercised",
+    "ScriptedEnv",
+    "check_async",
+    "check_gymnasium",
+    "check_modalities",
+    "check_random_actions",
+    "check_reset",
+    "check_state",
+    "check_tools",
+    "resolve",
+    "run_checks",
+    "scripted_actions",
+    "synthesised_tool_calls",
+    "tool_call",
 ]
-
-
-def run_checks(target: str, make_env: Callable[[], Env]) -> CheckReport:
-    report = CheckReport(target)
-    try:
-        probe = make_env()
-    except Exception as err:
-        report.results.append(CheckResult("construct", FAILED, f"{type(err).__name__}: {err}"))
-        return report
-    if not isinstance(probe, Env):
-        report.results.append(CheckResult("is a relax_gym.Env", FAILED, f"got {type(probe).__name__}"))
-        return report
-    probe.close()
-    for name, check in CHECKS:
-        try:
-            detail = check(make_env)
-            if name == "gymnasium.check_env" and detail:
-                report.warnings.append(detail)
-                detail = "passed with warnings"
-            report.results.append(CheckResult(name, PASSED, detail))
-        except NotExercised as err:
-            report.results.append(CheckResult(name, NOT_EXERCISED, str(err)))
-        except CheckFailure as err:
-            report.results.append(CheckResult(name, FAILED, str(err)))
-        except Exception as err:
-            where = traceback.extract_tb(err.__traceback__)[-1]
-            report.results.append(CheckResult(
-                name, FAILED, f"{type(err).__name__}: {err} (at {Path(where.filename).name}:{where.lineno})"))
-    return report
-
-
-def resolve(target: str, env_kwargs: dict[str, Any] | None = None) -> list[tuple[str, Callable[[], Env]]]:
-    """(name, factory) pairs for `ID`, `module:Class`, `file.py:Class`, `source:ID`, or a file/module (its ids).
-
-    Files and modules are imported by `registration.import_env_source`, as
-    for every other command; `env_kwargs` go to each factory and are checked
-    here, so a misspelt one is a single error line, not a failed check.
-    """
-    kwargs = dict(env_kwargs or {})
-    if target in list_envs():
-        ids = [target]
-    else:
-        source, name = split_env_target(target)
-        if source is None:
-            spec(target)  # raises UnknownEnvError naming the closest ids
-        assert source is not None
-        module, found = import_env_source(source)
-        if name and name not in list_envs():
-            cls = getattr(module, name, None)
-            if cls is None:
-                raise EnvTargetError(f"{source} has no attribute {name!r} and no env is registered as {name!r}")
-            check_kwargs(target, cls, kwargs)
-            return [(target, lambda: cls(**kwargs))]
-        ids = [name] if name else found
-        if not ids:
-            raise EnvTargetError(f"{source} registered no env; name a class with {source}:ClassName")
-    for env_id in ids:
-        check_kwargs(env_id, env_class(env_id), {**spec(env_id).kwargs, **kwargs})
-    return [(env_id, functools.partial(make, env_id, **kwargs)) for env_id in ids]

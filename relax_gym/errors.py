@@ -9,17 +9,17 @@ defines it and, in brackets, a shorter path that re-exports it
 (tests/test_exception_tree.py keeps this drawing true):
 
     Exception
-      NotExercised                  relax_gym.conformance
-      Refused                       relax_gym.env_server  (the env server answers its status: 400, 404, 500, 503)
+      NotExercised                  relax_gym.env.conformance
+      Refused                       relax_gym.env.env_server  (the env server answers its status: 400, 404, 500, 503)
       ToolError                     relax_gym.tools.function_tool [relax_gym.tools]
       UnsafeCheckpointError         relax_gym.trainer.safe_load
       AssertionError
-        CheckFailure                relax_gym.conformance
+        CheckFailure                relax_gym.env.conformance
       LookupError
-        UnknownEnvError             relax_gym.registration [relax_gym]  (also a gymnasium.error.Error)
-          EnvTargetError            relax_gym.registration
+        UnknownEnvError             relax_gym.env.registration [relax_gym]  (also a gymnasium.error.Error)
+          EnvTargetError            relax_gym.env.registration
       TypeError
-        EnvArgumentError            relax_gym.registration [relax_gym]  (also a gymnasium.error.Error)
+        EnvArgumentError            relax_gym.env.registration [relax_gym]  (also a gymnasium.error.Error)
         ToolDefinitionError         relax_gym.tools.function_tool [relax_gym.tools]
       ValueError
         StartupError                relax_gym.errors  (the CLI's exit 2)
@@ -43,10 +43,10 @@ defines it and, in brackets, a shorter path that re-exports it
           EngineStartError          relax_gym.trainer.cluster.fleet
           RequestError              relax_gym.engines.base [relax_gym.engines]
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
-        EpisodeOverError            relax_gym.core [relax_gym]
+        EpisodeOverError            relax_gym.env.core [relax_gym]
         JudgeRefusedError           relax_gym.rewards.judge  (the judge refused the key: not retried)
         PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
-        RemoteEnvError              relax_gym.remote_env [relax_gym]  (the env server is unreachable or refused)
+        RemoteEnvError              relax_gym.env.remote_env [relax_gym]  (the env server is unreachable or refused)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
           TrainerProcessError       relax_gym.trainer.backends.process  (trainer.own_process: the child died)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]

@@ -1,4 +1,4 @@
-"""Agents written against the `openai` package, trained through the agent proxy (`relax_gym.agents`).
+"""Agents written against the `openai` package, trained through the agent proxy (`relax_gym.env.agent_env`).
 
 With a scripted policy that calls the weather tool and then answers, the example agent's episode is one chain:
 the trained tokens are exactly what the engine generated, the tool result and the glue around it are masked,
@@ -22,12 +22,12 @@ import pytest
 from engine_support import EndsEachTurn
 from PIL import Image
 
-from relax_gym.agents import AgentEnv
 from relax_gym.cli import main
 from relax_gym.engines import EmbeddedEngine, SamplingParams
 from relax_gym.engines.scripted import ScriptedEngine
+from relax_gym.env.agent_env import AgentEnv
+from relax_gym.env.registration import register
 from relax_gym.models import load_model
-from relax_gym.registration import register
 from relax_gym.rollout import RolloutLimits, RolloutManager
 from relax_gym.tools.formats import tool_format_of
 

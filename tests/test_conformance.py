@@ -9,7 +9,7 @@ from PIL import Image
 
 from relax_gym import Env, ToolEnv, tool
 from relax_gym.cli import main
-from relax_gym.conformance import NOT_EXERCISED, PASSED, run_checks, tool_call
+from relax_gym.env.conformance import NOT_EXERCISED, PASSED, run_checks, tool_call
 from relax_gym.envs import BUNDLED
 from relax_gym.messages import image, user
 from relax_gym.tools import ToolError

@@ -23,8 +23,8 @@ import soundfile
 from gymnasium.utils.env_checker import check_env
 
 import relax_gym
-from relax_gym.conformance import run_checks
-from relax_gym.core import EpisodeOverError
+from relax_gym.env.conformance import run_checks
+from relax_gym.env.core import EpisodeOverError
 from relax_gym.envs.audio_io import decode_bytes, encode_wav, load_audio, resample
 from relax_gym.envs.audio_qa import AudioQAEnv
 from relax_gym.envs.datasets import DatasetError, load_records, shipped_path

@@ -12,7 +12,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import relax_gym
-from relax_gym.core import EpisodeOverError
+from relax_gym.env.core import EpisodeOverError
 from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
 from relax_gym.envs.math import MathEnv, load_math_tasks
 from relax_gym.rewards import math_reward

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import relax_gym
-from relax_gym.core import EpisodeOverError
+from relax_gym.env.core import EpisodeOverError
 from relax_gym.envs.procedural import chain_value, evaluate_expression, last_integer
 
 MALFORMED = ["", "garbage %$#@!", "<answer>", "<answer></answer>", "<answer>" + "(" * 500 + "</answer>",

@@ -20,8 +20,8 @@ import torch
 
 from relax_gym.cli import main
 from relax_gym.engines.base import API_KEY_ENV
+from relax_gym.env.registration import env_class, import_env_source
 from relax_gym.models import load_model, save_model
-from relax_gym.registration import env_class, import_env_source
 from relax_gym.trainer.config import load_config
 from relax_gym.trainer.launch import train
 

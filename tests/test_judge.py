@@ -18,10 +18,10 @@ import pytest
 from engine_support import KEY, serving
 
 from relax_gym import make
-from relax_gym.conformance import run_checks
 from relax_gym.engines import EmbeddedEngine, SamplingParams
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion
 from relax_gym.engines.scripted import ScriptedEngine
+from relax_gym.env.conformance import run_checks
 from relax_gym.models import load_model, render_ids
 from relax_gym.rewards import JudgeReward
 from relax_gym.rollout import RolloutLimits, RolloutManager

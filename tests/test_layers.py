@@ -42,7 +42,9 @@ FLOOR_OF: dict[str, str] = {
     # engines: token ids in, token ids out: the `Engine` protocol, its implementations, `relax-gym serve`.
     "relax_gym.engines": "engines",
     # env API: what an env is and how it is built, graded (rewards: the judge asks an engine), registered,
-    # checked and served; the bundled envs.
+    # checked and served (relax_gym.env); the bundled envs. The old paths of relax_gym.env's modules
+    # (relax_gym.core, relax_gym.agents, ...) re-export them for one release, on the same floor.
+    "relax_gym.env": "env API",
     "relax_gym.core": "env API",
     "relax_gym.spaces": "env API",
     "relax_gym.single_turn": "env API",

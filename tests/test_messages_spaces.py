@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from relax_gym.env.spaces import ActionText, MessageSpace
 from relax_gym.messages import (
     MessageError,
     audio,
@@ -12,7 +13,6 @@ from relax_gym.messages import (
     user,
     validate_messages,
 )
-from relax_gym.spaces import ActionText, MessageSpace
 
 
 def test_builders_make_hf_shaped_messages():

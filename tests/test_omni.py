@@ -15,11 +15,11 @@ import torch
 from PIL import Image
 
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
+from relax_gym.env.registration import make
 from relax_gym.envs.datasets import DatasetError
 from relax_gym.messages import audio, image, user, video
 from relax_gym.models import load_model, processor_inputs, save_model
 from relax_gym.models.moe_routing import recording, routers
-from relax_gym.registration import make
 from relax_gym.trainer.backends.torch_backend import TorchBackend
 from relax_gym.trainer.batch import Sample
 

@@ -7,9 +7,9 @@ import gymnasium
 import pytest
 
 import relax_gym
-from relax_gym.conformance import resolve
+from relax_gym.env.conformance import resolve
+from relax_gym.env.registration import EnvArgumentError, EnvTargetError, UnknownEnvError, resolve_env_id
 from relax_gym.envs import BUNDLED
-from relax_gym.registration import EnvArgumentError, EnvTargetError, UnknownEnvError, resolve_env_id
 
 
 class Echo(relax_gym.Env):

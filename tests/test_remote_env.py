@@ -22,8 +22,8 @@ import pytest
 from engine_support import EndsEachTurn
 
 from relax_gym import RemoteEnv, RemoteEnvError
-from relax_gym.conformance import run_checks
 from relax_gym.engines import EmbeddedEngine, SamplingParams
+from relax_gym.env.conformance import run_checks
 from relax_gym.models import load_model
 from relax_gym.rollout import RolloutLimits, RolloutManager
 
@@ -126,7 +126,7 @@ def test_the_api_key_is_required_and_a_dead_server_fails_its_episodes_while_the_
 def test_idle_sessions_are_closed_and_too_many_are_refused():
     from starlette.testclient import TestClient
 
-    from relax_gym.env_server import create_app
+    from relax_gym.env.env_server import create_app
 
     app = create_app("relax/GuessNumber-v0", api_key=KEY, max_sessions=2, session_timeout_s=0.05)
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -1,7 +1,7 @@
 import pytest
 
 from relax_gym import EpisodeOverError, SingleTurnEnv
-from relax_gym.conformance import run_checks
+from relax_gym.env.conformance import run_checks
 from relax_gym.rewards import RewardResult
 
 

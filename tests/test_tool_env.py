@@ -5,7 +5,7 @@ import time
 import pytest
 
 from relax_gym import ToolEnv, tool
-from relax_gym.core import EpisodeOverError
+from relax_gym.env.core import EpisodeOverError
 from relax_gym.tools import ToolError
 
 

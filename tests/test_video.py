@@ -18,9 +18,9 @@ import pytest
 from PIL import Image
 
 from relax_gym.engines import EmbeddedEngine, SamplingParams
+from relax_gym.env.registration import make
 from relax_gym.messages import MessageError, user, video
 from relax_gym.models import FramesVideoProcessor, load_model, processor_inputs, save_model
-from relax_gym.registration import make
 from relax_gym.rollout import RolloutLimits, RolloutManager
 from relax_gym.trajectory import read_jsonl, write_jsonl
 from relax_gym.video import Video, VideoError, read_video, video_from_frames

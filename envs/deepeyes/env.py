@@ -31,7 +31,8 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-from relax_gym.core import EpisodeOverError
+from relax_gym.env.core import EpisodeOverError
+from relax_gym.env.tool_env import ToolEnv
 from relax_gym.envs.datasets import load_records, pick
 from relax_gym.envs.deepeyes.data import IMAGE_PLACEHOLDER, data_file, load_image, task_from_record, validate
 from relax_gym.envs.deepeyes.view import View, full_view, render, rotate, zoom
@@ -43,7 +44,6 @@ from relax_gym.rewards import (
     format_reward,
     multiple_choice_reward,
 )
-from relax_gym.tool_env import ToolEnv
 from relax_gym.tools import tool
 
 Judge = Callable[[str, str, str], float | RewardResult]
@@ -222,6 +222,11 @@ class DeepEyesEnv(ToolEnv):
             angle: Degrees counter-clockwise: 90, 180 or 270.
         """
         return self._show(rotate(self.episode["view"], angle), f"Rotated by {angle} degrees counter-clockwise")
+
+    def scripted_actions(self) -> list[str]:
+        """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a zoom, then an answer."""
+        zoom = self.tool_format.write_calls([("image_zoom_in", {"bbox_2d": [100, 100, 400, 300]})])
+        return [zoom, "<answer>red</answer>"]
 
     def _show(self, view: View, what: str) -> list[Part]:
         """Makes `view` current and returns it with a caption giving its place in the original image."""

@@ -1,5 +1,5 @@
-"""Agents written against an OpenAI-style API, trained as envs: `AgentEnv` and the proxy that records them."""
+"""Moved to relax_gym.env.agent_env; this path re-exports `AgentEnv` and `task_text` for one release."""
 
-from relax_gym.agents.agent_env import AgentEnv, task_text
+from relax_gym.env.agent_env import AgentEnv, task_text
 
 __all__ = ["AgentEnv", "task_text"]

@@ -8,7 +8,7 @@ import time
 import traceback
 from typing import Any
 
-from relax_gym.agents.agent_env import AgentEnv, task_text
+from relax_gym.env.agent_env import AgentEnv, task_text
 from relax_gym.rewards import RewardResult
 from relax_gym.rollout.agent_proxy import Chain, ProxyServer
 from relax_gym.trajectory import Status, Trajectory

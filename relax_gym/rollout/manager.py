@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from relax_gym.agents.agent_env import AgentEnv
-from relax_gym.core import Env
 from relax_gym.engines.base import (
     Engine,
     EngineError,
@@ -30,10 +28,12 @@ from relax_gym.engines.base import (
     SamplingParams,
     request_seed,
 )
+from relax_gym.env.agent_env import AgentEnv
+from relax_gym.env.core import Env
+from relax_gym.env.registration import make
 from relax_gym.messages import Message
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import experts_per_token, request_routes
-from relax_gym.registration import make
 from relax_gym.rollout.config import MAX_CONCURRENCY, RolloutLimits
 from relax_gym.rollout.tokens import ConversationTokens, PromptCache, TemplateError
 from relax_gym.tools.formats import tool_format_of

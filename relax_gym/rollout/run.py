@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from relax_gym.engines.factory import make_engine
+from relax_gym.env.registration import resolve_env_id
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
-from relax_gym.registration import resolve_env_id
 from relax_gym.rollout.config import RolloutConfig
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET, EvalReport, eval_report
 from relax_gym.rollout.manager import RolloutManager, settle_heap

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_gym.env.registration import make
 from relax_gym.errors import StartupError
 from relax_gym.models import LoadedModel
 from relax_gym.models.template_traits import template_traits
-from relax_gym.registration import make
 from relax_gym.rollout.manager import tool_format_of
 from relax_gym.rollout.tokens import ConversationTokens
 
