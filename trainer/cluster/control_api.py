@@ -31,7 +31,6 @@ from relax_gym.trainer.cluster.scale import (
     ScaleRejected,
     ScaleResult,
 )
-
 from relax_gym.web import bounds
 from relax_gym.web.address import is_loopback
 from relax_gym.web.errors import error_response, install_error_handlers
