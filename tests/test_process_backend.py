@@ -1,5 +1,5 @@
-"""`trainer.own_process`: the backend in a spawned child process trains exactly as in-process, checkpoints and
-resumes through it, and a child that dies stops the run with its exit code."""
+"""`trainer.own_process`: the backend in a spawned child process trains exactly as in-process (the samples crossing
+once a step), checkpoints and resumes through it, and a child that dies stops the run with its exit code."""
 
 from __future__ import annotations
 
@@ -38,7 +38,12 @@ def test_a_trainer_in_its_own_process_trains_checkpoints_and_resumes_like_the_in
     apart = tmp_path / "apart"
     first = Trainer(_config(apart, "trainer.own_process=true", "trainer.total_steps=2"))
     assert isinstance(first.backend, ProcessBackend)
+    calls: list[str] = []
+    forward = first.backend._call
+    first.backend._call = lambda method, *a, **kw: (calls.append(method), forward(method, *a, **kw))[1]  # type: ignore[method-assign]
     asyncio.run(first.run())
+    # one backend call a step carries the samples: the old logprobs are taken in the update's own call
+    assert first.cfg.algorithm.recompute_old_logprobs and calls.count("train_step") == 2 and "logprobs" not in calls
     assert not first.backend._process.is_alive()  # stopped with the run
     resumed = Trainer(_config(apart, "trainer.own_process=true"))
     summary = asyncio.run(resumed.run())

@@ -535,22 +535,22 @@ class Trainer:
     def _backend_calls(self, samples: list[Sample]) -> tuple[dict[str, float], dict[str, float], int, Any]:
         temperature = self.cfg.rollout.temperature
         t0 = time.perf_counter()
-        if samples and self.cfg.algorithm.recompute_old_logprobs:
-            for s, o in zip(samples, self.backend.logprobs(samples, temperature=temperature), strict=True):
-                s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
         for frozen, attr in ((self.ref, "ref_logprobs"), (self.teacher, "teacher_logprobs")):
             if frozen is not None and samples:
                 for s, o in zip(samples, frozen.logprobs(samples, temperature=temperature), strict=True):
                     setattr(s, attr, o.logprobs.clone())
         t1 = time.perf_counter()
         metrics: dict[str, float] = {}
-        if samples:
-            metrics = self.backend.train_step(samples, self.loss_fn, temperature=temperature)
+        if samples:  # the old logprobs are taken where the weights live, in the update's own call
+            metrics = self.backend.train_step(samples, self.loss_fn, temperature=temperature,
+                                              recompute_old_logprobs=self.cfg.algorithm.recompute_old_logprobs)
         else:
             self.backend.version += 1  # nothing trainable this step: the policy version still advances
         t2 = time.perf_counter()
         weights = self._snapshot()
-        timings = {"logprobs_s": t1 - t0, "train_s": t2 - t1, "weight_sync_s": time.perf_counter() - t2}
+        old_s = metrics.pop("old_logprobs_s", 0.0)  # a phase of the step, timed where it ran
+        timings = {"logprobs_s": t1 - t0 + old_s, "train_s": t2 - t1 - old_s,
+                   "weight_sync_s": time.perf_counter() - t2}
         return metrics, timings, self.backend.version, weights
 
     def _snapshot(self) -> Any:

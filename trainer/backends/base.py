@@ -13,6 +13,7 @@ align) lives in `relax_gym.trainer.batch`, which the algorithms import too.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,14 @@ class TrainBackend(Protocol):
                  with_entropy: bool = False) -> list[LogprobOutput]:
         """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        """Forward/backward over micro-batches (token budget), clip, one optimizer step; version += 1."""
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
+                   recompute_old_logprobs: bool = False) -> dict[str, float]:
+        """Forward/backward over micro-batches (token budget), clip, one optimizer step; version += 1.
+
+        With `recompute_old_logprobs`, each sample's `old_logprobs` (what the ratio is taken against) is first
+        computed from the weights about to be updated, in the same call (`attach_old_logprobs`), and the metrics
+        hold `old_logprobs_s`: where the backend lives in another process (`trainer.own_process`, a Ray actor,
+        torchrun's followers) the samples cross once a step, not twice."""
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Current weights under the Hugging Face names the engine's model uses (CPU tensors); in a job of several
@@ -58,6 +65,15 @@ class TrainBackend(Protocol):
 
 
 OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
+
+
+def attach_old_logprobs(backend: TrainBackend, samples: list[Sample], temperature: float) -> dict[str, float]:
+    """Sets each sample's `old_logprobs` from `backend`'s current weights; `{"old_logprobs_s": seconds}`, for the
+    metrics of the `train_step` that asked (`TrainBackend.train_step`'s `recompute_old_logprobs`)."""
+    start = time.perf_counter()
+    for s, o in zip(samples, backend.logprobs(samples, temperature=temperature), strict=True):
+        s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
+    return {"old_logprobs_s": time.perf_counter() - start}
 
 
 def check_samples(samples: Sequence[Sample], temperature: float) -> None:

@@ -147,8 +147,10 @@ class ProcessBackend:
                  with_entropy: bool = False) -> list[LogprobOutput]:
         return self._call("logprobs", samples, temperature=temperature, with_entropy=with_entropy)
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        return self._call("train_step", samples, loss_fn, temperature=temperature)
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
+                   recompute_old_logprobs: bool = False) -> dict[str, float]:
+        return self._call("train_step", samples, loss_fn, temperature=temperature,
+                          recompute_old_logprobs=recompute_old_logprobs)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The child writes its weights into shared memory (set up on the first call) and this process copies

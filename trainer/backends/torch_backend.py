@@ -33,6 +33,7 @@ from relax_gym.models.loading import save_model
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
+    attach_old_logprobs,
     build_micro_batch,
     check_samples,
     rng_states,
@@ -346,7 +347,8 @@ class TorchBackend:
                 out.append(LogprobOutput(logprobs[row, :n].cpu(), None if entropy is None else entropy[row, :n].cpu()))
         return out
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
+                   recompute_old_logprobs: bool = False) -> dict[str, float]:
         """Forward/backward over micro-batches (token budget), clip, one AdamW step; version += 1.
 
         A step whose gradient norm is not finite (e.g. a loss normalised by zero
@@ -354,6 +356,7 @@ class TorchBackend:
         weights; it still counts as a step (`skipped` = 1) so versions stay in
         lockstep with the loop's step count.
         """
+        old = attach_old_logprobs(self, samples, temperature) if recompute_old_logprobs else {}
         check_samples(samples, temperature)
         step_tokens = sum(sum(s.loss_mask) for s in samples)
         step_sequences = sum(1 for s in samples if any(s.loss_mask))
@@ -389,6 +392,7 @@ class TorchBackend:
             "tokens": float(step_tokens),
             "sequences": float(step_sequences),
             "skipped": float(skipped),
+            **old,
         }
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

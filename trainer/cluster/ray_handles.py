@@ -133,8 +133,10 @@ class RemoteBackend:
         outs: list[LogprobOutput] = self._get(self.actor.logprobs.remote(samples, temperature, with_entropy))
         return outs
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
-        metrics, self._version = self._get(self.actor.train_step.remote(samples, loss_fn, temperature))
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
+                   recompute_old_logprobs: bool = False) -> dict[str, float]:
+        metrics, self._version = self._get(self.actor.train_step.remote(samples, loss_fn, temperature,
+                                                                        recompute_old_logprobs))
         return metrics
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -314,7 +314,8 @@ class TrainerRank:
     def logprobs(self, samples: list[Sample], temperature: float, with_entropy: bool) -> list[LogprobOutput]:
         return self.backend.logprobs(samples, temperature=temperature, with_entropy=with_entropy)
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, temperature: float) -> tuple[dict[str, float], int]:
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, temperature: float,
+                   recompute_old_logprobs: bool = False) -> tuple[dict[str, float], int]:
         step = self.backend.version + 1
         if self.fault.get("crash_at_step") == step:
             os._exit(1)
@@ -322,7 +323,8 @@ class TrainerRank:
             raise ValueError(f"injected fault: raise_at_step={step}")
         if self.fault.get("hang_at_step") == step:
             threading.Event().wait()
-        metrics = self.backend.train_step(samples, loss_fn, temperature=temperature)
+        metrics = self.backend.train_step(samples, loss_fn, temperature=temperature,
+                                          recompute_old_logprobs=recompute_old_logprobs)
         return metrics, self.backend.version
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

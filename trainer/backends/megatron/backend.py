@@ -64,6 +64,7 @@ from relax_gym.models import TINY_MODELS, LoadedModel, load_model
 from relax_gym.models.loading import save_pretrained_folder
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
+    attach_old_logprobs,
     build_micro_batch,
     check_samples,
     pad_rows,
@@ -271,7 +272,8 @@ class MegatronBackend:
         return out  # type: ignore[return-value]  # every index is filled by exactly one DP rank
 
     @compat.on_cpu
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
+                   recompute_old_logprobs: bool = False) -> dict[str, float]:
         """Forward/backward over micro-batches (token budget), clip, one Adam step; version += 1.
 
         Metrics: the loss function's, summed over micro-batches and DP ranks, and
@@ -280,6 +282,7 @@ class MegatronBackend:
         is not applied (megatron's found-inf check, through a constant loss
         scale of 1) but still counts as a step.
         """
+        old = attach_old_logprobs(self, samples, temperature) if recompute_old_logprobs else {}
         _check(samples, temperature)
         for m in self.models:
             m.train()
@@ -304,6 +307,7 @@ class MegatronBackend:
             "tokens": float(totals[0]),
             "sequences": float(totals[1]),
             "skipped": float(not applied),
+            **old,
         }
 
     @compat.on_cpu
