@@ -10,14 +10,13 @@ loss function from the same config, so no code travels, only data.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from relax_gym.trainer.backends.base import LogprobOutput, TrainBackend
-from relax_gym.trainer.batch import LossFn, Sample
+from relax_gym.trainer.backends.base import TrainBackend
+from relax_gym.trainer.backends.forwarding import Forwarder, answer
+from relax_gym.trainer.batch import LossFn
 
 _STOP = "stop"
 
@@ -31,47 +30,22 @@ def _control_group() -> Any:
     return dist.new_group(backend="gloo")
 
 
-class DrivingBackend:
-    """Rank 0's view of a collective backend: every call is announced to the followers first."""
+class DrivingBackend(Forwarder):
+    """Rank 0's view of a collective backend: every call is announced to the followers, then made here
+    (`backends.forwarding`'s torchrun transport). The loss function is not sent: followers build their own."""
 
     def __init__(self, backend: TrainBackend):
+        super().__init__(backend.version)
         self.backend = backend
         self.group = _control_group()
 
-    def _announce(self, op: str, *args: Any, **kwargs: Any) -> None:
-        dist.broadcast_object_list([(op, args, kwargs)], src=0, group=self.group)
-
-    @property
-    def version(self) -> int:
-        return self.backend.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._announce("set_version", value)
-        self.backend.version = value
-
-    def logprobs(self, samples: list[Sample], **kwargs: Any) -> list[LogprobOutput]:
-        self._announce("logprobs", samples, **kwargs)
-        return self.backend.logprobs(samples, **kwargs)
-
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, **kwargs: Any) -> dict[str, float]:
-        self._announce("train_step", samples, **kwargs)
-        return self.backend.train_step(samples, loss_fn, **kwargs)
-
-    def hf_state_dict(self) -> dict[str, Any]:
-        self._announce("hf_state_dict")
-        return self.backend.hf_state_dict()
-
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        self._announce("save_checkpoint", str(path), extra)
-        self.backend.save_checkpoint(path, extra)
-
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        self._announce("load_checkpoint", str(path))
-        return self.backend.load_checkpoint(path)
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+        announced = (args[0],) if method == "train_step" else args  # (samples, loss_fn): the samples only
+        dist.broadcast_object_list([(method, announced, kwargs)], src=0, group=self.group)
+        return answer(self.backend, method, args, kwargs)
 
     def stop(self) -> None:
-        self._announce(_STOP)
+        dist.broadcast_object_list([(_STOP, (), {})], src=0, group=self.group)
 
 
 def control_group() -> Any:
@@ -84,14 +58,6 @@ def follow(backend: TrainBackend, loss_fn: LossFn, group: Any | None = None) -> 
     """A follower rank's whole life: repeat rank 0's backend calls until it stops. Returns the call count.
     `group`: the control group, if this rank made it already (`control_group`)."""
     group = group if group is not None else _control_group()
-    calls: dict[str, Callable[..., Any]] = {
-        "logprobs": backend.logprobs,
-        "train_step": lambda samples, **kw: backend.train_step(samples, loss_fn, **kw),
-        "hf_state_dict": backend.hf_state_dict,
-        "save_checkpoint": lambda path, extra: backend.save_checkpoint(Path(path), extra),
-        "load_checkpoint": lambda path: backend.load_checkpoint(Path(path)),
-        "set_version": lambda value: setattr(backend, "version", value),
-    }
     count = 0
     while True:
         box: list[Any] = [None]
@@ -99,5 +65,5 @@ def follow(backend: TrainBackend, loss_fn: LossFn, group: Any | None = None) -> 
         op, args, kwargs = box[0]
         if op == _STOP:
             return count
-        calls[op](*args, **kwargs)
+        answer(backend, op, (args[0], loss_fn) if op == "train_step" else args, kwargs)
         count += 1

@@ -8,12 +8,12 @@ runs beside the rollout's instead of taking turns with it.
 
 The child is spawned (no fork of a process that holds threads and torch state), so a script that
 starts a run must guard its entry point with `if __name__ == "__main__":`, as for any spawned
-worker (the `relax-gym` command does). It builds the same
-backend `make_backend` builds, placed on `cpu.trainer`'s cores, and answers the `TrainBackend` calls
-sent over a pipe, one at a time. Arguments and results travel by cloudpickle (a loss function may be a
-closure); tensors by value, except the weights, which the child writes into shared memory. An exception in the
-child is re-raised here as itself, with the child's traceback in its notes; a child that dies ends the call
-with `TrainerProcessError`, naming its exit code.
+worker (the `relax-gym` command does). It builds the same backend `make_backend` builds, placed on
+`cpu.trainer`'s cores, and answers the `TrainBackend` calls sent over a pipe, one at a time
+(`backends.forwarding`: this is its pipe transport). Arguments and results travel by cloudpickle (a loss
+function may be a closure); tensors by value, except the weights, which the child writes into shared memory.
+An exception in the child is re-raised here as itself, with the child's traceback in its notes; a child that
+dies ends the call with `TrainerProcessError`, naming its exit code.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import multiprocessing as mp
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -32,8 +31,7 @@ import torch.multiprocessing  # registers the shared-memory tensor reductions wi
 
 from relax_gym.cpu_threads import ThreadPlacement
 from relax_gym.errors import RunStopped
-from relax_gym.trainer.backends.base import LogprobOutput
-from relax_gym.trainer.batch import LossFn, Sample
+from relax_gym.trainer.backends.forwarding import Forwarder, answer
 
 __all__ = ["ProcessBackend", "TrainerProcessError"]
 
@@ -46,7 +44,8 @@ POLL_S = 1.0
 
 
 def _serve(conn: Connection, cfg_json: str, placement: ThreadPlacement) -> None:
-    """The child: builds the backend, then answers (method, args, kwargs) until told to stop."""
+    """The child: builds the backend, then answers (method, args, kwargs) until told to stop (`answer`, and the
+    two calls that move the weights through shared memory)."""
     placement.apply()
     from relax_gym.trainer.config import TrainConfig
     from relax_gym.trainer.policy import load_policy, make_backend
@@ -65,20 +64,17 @@ def _serve(conn: Connection, cfg_json: str, placement: ThreadPlacement) -> None:
             return
         dumps = cloudpickle.dumps
         try:
-            if method == "set_version":
-                backend.version = args[0]
-                result: Any = None
-            elif method == "share_weights":  # once: shared-memory copies, sent as handles (ForkingPickler)
+            if method == "share_weights":  # once: shared-memory copies, sent as handles (ForkingPickler)
                 shared = {name: tensor.detach().to("cpu", copy=True).share_memory_()
                           for name, tensor in backend.hf_state_dict().items()}
-                result, dumps = shared, ForkingPickler.dumps
+                reply: tuple[bool, Any] = (True, (shared, backend.version))
+                dumps = ForkingPickler.dumps
             elif method == "export_weights":  # each step after: the weights written into the shared copies
                 for name, tensor in backend.hf_state_dict().items():
                     shared[name].copy_(tensor)
-                result = None
+                reply = (True, (None, backend.version))
             else:
-                result = getattr(backend, method)(*args, **kwargs)
-            reply: tuple[bool, Any] = (True, (result, backend.version))
+                reply = (True, answer(backend, method, args, kwargs))
         except BaseException as err:
             reply, dumps = (False, _with_trace(err)), cloudpickle.dumps
         conn.send_bytes(dumps(reply))
@@ -90,7 +86,7 @@ def _with_trace(err: BaseException) -> BaseException:
     return err
 
 
-class ProcessBackend:
+class ProcessBackend(Forwarder):
     """`TrainBackend` over the backend `make_backend(cfg, ...)` builds, run in a spawned child process."""
 
     def __init__(self, cfg: Any, placement: ThreadPlacement | None = None) -> None:
@@ -104,17 +100,8 @@ class ProcessBackend:
         if not ok:
             self._process.join(10)
             raise value
-        self._version: int = value
+        super().__init__(value)
         self._shared: dict[str, torch.Tensor] | None = None  # the child's weights in shared memory
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._call("set_version", value)
-        self._version = value
 
     def _died(self, method: str) -> TrainerProcessError:
         self._process.join(5)  # reaped, so its exit code is known
@@ -130,7 +117,7 @@ class ProcessBackend:
         except (EOFError, OSError):
             raise self._died(method) from None
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
         try:
             self._conn.send_bytes(cloudpickle.dumps((method, args, kwargs)))
         except OSError:  # the pipe broke: the child is gone
@@ -138,19 +125,7 @@ class ProcessBackend:
         ok, value = self._receive(method)
         if not ok:
             raise value
-        result, self._version = value
-        return result
-
-    # --- TrainBackend ---------------------------------------------------------------------------
-
-    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> list[LogprobOutput]:
-        return self._call("logprobs", samples, temperature=temperature, with_entropy=with_entropy)
-
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
-                   recompute_old_logprobs: bool = False) -> dict[str, float]:
-        return self._call("train_step", samples, loss_fn, temperature=temperature,
-                          recompute_old_logprobs=recompute_old_logprobs)
+        return value
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The child writes its weights into shared memory (set up on the first call) and this process copies
@@ -161,12 +136,6 @@ class ProcessBackend:
         else:
             self._call("export_weights")
         return {name: tensor.clone() for name, tensor in self._shared.items()}
-
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        self._call("save_checkpoint", path, extra)
-
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return self._call("load_checkpoint", path)
 
     def close(self) -> None:
         """Stops the child (it finishes the call it is in first); a child that does not stop is killed."""

@@ -10,16 +10,13 @@ actor surfaces as the error the caller already handles: `EngineGoneError` (the r
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from ray.exceptions import RayActorError
 
 from relax_gym.engines.base import EngineGoneError, GenerateOutput, GenerateRequest
-from relax_gym.trainer.backends.base import LogprobOutput
-from relax_gym.trainer.batch import LossFn, Sample
+from relax_gym.trainer.backends.forwarding import Forwarder
 
 #: what a dead, killed or unreachable actor raises (ActorDiedError, ActorUnavailableError are its subclasses)
 ACTOR_GONE = (RayActorError,)
@@ -85,17 +82,17 @@ class RayEngineClient:
         """The controller owns engine actors; a worker's client closes nothing."""
 
 
-class RemoteBackend:
-    """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank`); blocking, as the loop
-    calls backends from a worker thread."""
+class RemoteBackend(Forwarder):
+    """The `TrainBackend` protocol over trainer rank 0's actor (`roles.TrainerRank.call`: `backends.forwarding`'s
+    Ray transport); blocking, as the loop calls backends from a worker thread."""
 
     def __init__(self, actor: Any, version: int = 0, followers: list[Any] | None = None,
                  stall_s: float | None = None):
         """`followers`: the refs of the other ranks' `follow` calls, which end only when a rank is lost (a
         collective call would otherwise wait for the lost rank until its timeout). A call that has not answered
         within `stall_s` is a stuck trainer, lost like a dead one."""
+        super().__init__(version)
         self.actor = actor
-        self._version = version
         self.followers = list(followers or [])
         self.stall_s = stall_s
 
@@ -119,38 +116,11 @@ class RemoteBackend:
         except ACTOR_GONE as err:
             raise TrainerLost(f"a trainer rank's process is gone ({type(err).__name__})") from None
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self._get(self.actor.set_version.remote(value))
-        self._version = value
-
-    def logprobs(self, samples: list[Sample], *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> list[LogprobOutput]:
-        outs: list[LogprobOutput] = self._get(self.actor.logprobs.remote(samples, temperature, with_entropy))
-        return outs
-
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
-                   recompute_old_logprobs: bool = False) -> dict[str, float]:
-        metrics, self._version = self._get(self.actor.train_step.remote(samples, loss_fn, temperature,
-                                                                        recompute_old_logprobs))
-        return metrics
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = self._get(self.actor.hf_state_dict.remote())
-        return state
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+        reply: tuple[Any, int] = self._get(self.actor.call.remote(method, args, kwargs))
+        return reply
 
     def hf_state_dict_ref(self) -> Any:
         """The weights as an ObjectRef this process owns, without fetching them: engines load them straight
         from the object store (one copy crosses, and it outlives the trainer rank)."""
         return self._wait(self.actor.hf_state_dict.remote())
-
-    def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
-        self._get(self.actor.save_checkpoint.remote(str(path), extra))
-
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        extra, self._version = self._get(self.actor.load_checkpoint.remote(str(path)))
-        return extra

@@ -23,11 +23,10 @@ from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, Samp
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.router import EngineRouter
 from relax_gym.engines.sglang import SGLangEngine
-from relax_gym.registration import resolve_env_id
+from relax_gym.env.registration import resolve_env_id
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import RolloutManager, settle_heap
-from relax_gym.trainer.backends.base import LogprobOutput
-from relax_gym.trainer.batch import LossFn, Sample
+from relax_gym.trainer.backends.forwarding import answer
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trajectory import Trajectory
 
@@ -308,24 +307,18 @@ class TrainerRank:
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank, "version": self.backend.version if self.backend else 0}
 
-    def set_version(self, version: int) -> None:
-        self.backend.version = version
-
-    def logprobs(self, samples: list[Sample], temperature: float, with_entropy: bool) -> list[LogprobOutput]:
-        return self.backend.logprobs(samples, temperature=temperature, with_entropy=with_entropy)
-
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, temperature: float,
-                   recompute_old_logprobs: bool = False) -> tuple[dict[str, float], int]:
-        step = self.backend.version + 1
-        if self.fault.get("crash_at_step") == step:
-            os._exit(1)
-        if self.fault.get("raise_at_step") == step:
-            raise ValueError(f"injected fault: raise_at_step={step}")
-        if self.fault.get("hang_at_step") == step:
-            threading.Event().wait()
-        metrics = self.backend.train_step(samples, loss_fn, temperature=temperature,
-                                          recompute_old_logprobs=recompute_old_logprobs)
-        return metrics, self.backend.version
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+        """A `TrainBackend` call from `RemoteBackend` (`backends.forwarding.answer`), after the injected fault of
+        the step it would train, if any."""
+        if method == "train_step":
+            step = self.backend.version + 1
+            if self.fault.get("crash_at_step") == step:
+                os._exit(1)
+            if self.fault.get("raise_at_step") == step:
+                raise ValueError(f"injected fault: raise_at_step={step}")
+            if self.fault.get("hang_at_step") == step:
+                threading.Event().wait()
+        return answer(self.backend, method, args, kwargs)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.backend.hf_state_dict()
@@ -388,9 +381,3 @@ class TrainerRank:
         save_pretrained_folder(Path(folder), loaded.model, loaded.processor or loaded.tokenizer,
                                state_dict=self.backend.hf_state_dict())
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
-        self.backend.save_checkpoint(Path(path), extra)
-
-    def load_checkpoint(self, path: str) -> tuple[dict[str, Any], int]:
-        extra = self.backend.load_checkpoint(Path(path))
-        return extra, self.backend.version
