@@ -678,10 +678,14 @@ class EmbeddedEngine:
         self._drain()
 
     def _admit(self, batch: RunningBatch, rows: list[_Row], jobs: list[_Job]) -> None:
-        """Prefills `jobs`, samples their first tokens and adds the rows that go on to `batch`; a prefill
-        that fails is retried one job at a time, so a bad request fails alone."""
+        """Prefills `jobs`, samples their first tokens and adds the rows that go on to `batch`; a prefill, a
+        seed or a first sample that fails is retried one job at a time, so a bad request fails alone and the
+        worker never dies of a request's error."""
         try:
             joining, logits = batch.prefill([job.request.input_ids for job in jobs])
+            new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
+                   for job in jobs]
+            going, tokens = self._sample(new, logits)
         except Exception as err:
             if len(jobs) > 1:
                 for job in jobs:
@@ -689,9 +693,6 @@ class EmbeddedEngine:
                 return
             jobs[0].resolve(EngineError(f"generation failed for request {jobs[0].request.rid!r}: {err!r}"))
             return
-        new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
-               for job in jobs]
-        going, tokens = self._sample(new, logits)
         if going:  # rows that ended on their first token never join
             joining.keep(going)
             joining.last = tokens[going]

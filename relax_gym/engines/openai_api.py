@@ -26,6 +26,8 @@ from relax_gym.messages import Message, image, message, text
 from relax_gym.models import LoadedModel, processor_inputs
 from relax_gym.tools import ToolCallFormat
 
+#: samples one request may ask for
+MAX_N = 64
 #: max_tokens when a request gives none
 DEFAULT_MAX_TOKENS = 512
 
@@ -49,12 +51,13 @@ class ChatCompletionIn(BaseModel):
     tool_choice: Any = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1, le=MAX_N)
     logprobs: bool = False
-    seed: int | None = None
+    #: a 64-bit seed, `n` apart for the `n` samples (torch seeds a generator with any 64-bit integer)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)
     stream: bool = False
 
 

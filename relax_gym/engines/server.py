@@ -91,6 +91,8 @@ from relax_gym.web.keys import ENGINE_KEY_ENV, announce_generated_key, resolve_s
 logger = logging.getLogger("relax_gym.engines")
 T = TypeVar("T")
 
+#: the bound of every count a request gives (a vocabulary, a token budget): what a 32-bit field holds
+MAX_INT32 = 2**31 - 1
 #: routes anyone may call: liveness and what model is served (as SGLang leaves them open under --api-key)
 OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
 #: where a refused client finds the key (the 401 says it)
@@ -135,8 +137,8 @@ class SamplingIn(BaseModel):
 
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(128, ge=0)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT32)
+    max_new_tokens: int = Field(128, ge=0, le=MAX_INT32)
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from relax_gym.control_client import CONTROL_FILE, TOKEN_FILE
 from relax_gym.trainer.cluster.scale import (
@@ -42,6 +42,9 @@ logger = logging.getLogger("relax_gym.trainer.cluster")
 
 #: routes anyone may call (a liveness probe)
 OPEN_PATHS = frozenset({"/v1/health"})
+#: bounds of a scale request's numbers: a count or a wait past these is a typo or an attack, answered 400
+MAX_ENGINES = 1024
+MAX_WAIT_S = 86400.0
 #: where a refused client finds the token (the 401 says it)
 KEY_HINT = f"the control token: the run folder's {TOKEN_FILE}, or ${CONTROL_TOKEN_ENV}"
 
@@ -51,9 +54,9 @@ class ScaleOutIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    num_engines: int | None = None
-    engine_urls: list[str] | None = None
-    timeout_s: float | None = None
+    num_engines: int | None = Field(None, ge=0, le=MAX_ENGINES)
+    engine_urls: list[str] | None = Field(None, max_length=MAX_ENGINES)
+    timeout_s: float | None = Field(None, gt=0, le=MAX_WAIT_S)
 
 
 class ScaleInIn(BaseModel):
@@ -61,9 +64,9 @@ class ScaleInIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    num_engines: int | None = None
-    engine_ids: list[str] | None = None
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    num_engines: int | None = Field(None, ge=0, le=MAX_ENGINES)
+    engine_ids: list[str] | None = Field(None, max_length=MAX_ENGINES)
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=MAX_WAIT_S)
     force: bool = False
     dry_run: bool = False
 
