@@ -10,6 +10,7 @@ run Python in the sandbox first. Both write the same four hooks, shared in `Math
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -22,7 +23,7 @@ from relax_gym.env.tool_env import ToolEnv
 from relax_gym.envs.datasets import DatasetError, load_records, pick, require_gold, shipped_path
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
-from relax_gym.sandbox import Sandbox, SandboxConfig
+from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxFallbackWarning, container_unavailable
 from relax_gym.tools import tool
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -221,6 +222,10 @@ class MathToolEnv(MathHooks, ToolEnv):
         )
         self.tasks = load_math_tasks(data_path, split)
         self.sandbox_config = SandboxConfig(require_container=require_container, timeout_s=sandbox_timeout_s)
+        if not require_container and (why := container_unavailable(self.sandbox_config)):  # said before any code
+            warnings.warn(f"relax/MathTool-v0: no container sandbox ({why}); its python tool will run the model's "
+                          "code in a plain subprocess on this host, which is not a security boundary "
+                          "(require_container=True refuses instead)", SandboxFallbackWarning, stacklevel=2)
         self.answer_format = _check_answer_format(answer_format)
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s

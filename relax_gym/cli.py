@@ -378,7 +378,7 @@ def cmd_env_server(args: argparse.Namespace) -> int:
 
     serve_env(resolve_env_id(args.env), _key_values(args.env_arg), host=args.host, port=args.port,
               api_key_file=args.api_key_file, max_sessions=args.max_sessions,
-              session_timeout_s=args.session_timeout_s)
+              session_timeout_s=args.session_timeout_s, allow_unsandboxed_code=args.allow_unsandboxed_code)
     return 0
 
 
@@ -567,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"file holding the env server's key (default: ${ENV_SERVER_KEY_ENV}, else one is generated "
                         "and printed; required beyond loopback)")
     p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (default 1024)")
+    p.add_argument("--allow-unsandboxed-code", action="store_true",
+                   help="serve an env that runs model-written code even where no container sandbox works (the "
+                        "code then runs in a subprocess on this host, which is not a security boundary)")
     p.add_argument("--session-timeout-s", type=float, default=600.0,
                    help="an idle session is closed after this many seconds (default 600)")
     p.set_defaults(func=cmd_env_server)

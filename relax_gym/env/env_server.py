@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from relax_gym.env.core import Env
 from relax_gym.env.env_wire import messages_to_json, plain
 from relax_gym.env.registration import make
+from relax_gym.errors import StartupError
 from relax_gym.web import bounds
 from relax_gym.web.errors import error_response, install_error_handlers
 from relax_gym.web.guard import Guard
@@ -73,12 +75,34 @@ class _Session:
 class EnvSessions:
     """The env instances of open sessions, made with the server's kwargs, closed when idle too long."""
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any], *, max_sessions: int, timeout_s: float):
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], *, max_sessions: int, timeout_s: float,
+                 allow_unsandboxed_code: bool = False):
         self.env_id, self.env_kwargs = env_id, dict(env_kwargs)
         self.max_sessions, self.timeout_s = max_sessions, timeout_s
         self.sessions: dict[str, _Session] = {}
         #: made once at start: its tool schemas and metadata describe every session's env
         self.probe = make(env_id, **self.env_kwargs)
+        if self.probe.metadata.get("sandbox") and not allow_unsandboxed_code:
+            self._require_container()
+
+    def _require_container(self) -> None:
+        """An env that runs a client's model-written code is served only with a container sandbox: no fallback to a
+        subprocess on this host (which would run as the server's user, next to its key), unless the operator
+        opts in by name."""
+        from relax_gym.sandbox import SandboxConfig, container_unavailable
+
+        if "require_container" in inspect.signature(type(self.probe)).parameters and \
+                "require_container" not in self.env_kwargs:  # no session may fall back later either
+            self.probe.close()
+            self.env_kwargs["require_container"] = True
+            self.probe = make(self.env_id, **self.env_kwargs)
+        why = container_unavailable(getattr(self.probe, "sandbox_config", SandboxConfig()))
+        if why is not None:
+            self.probe.close()
+            raise StartupError(f"env-server {self.env_id}: this env runs model-written code, and no container "
+                               f"sandbox can be used ({why}), so a client's code would run on this host. Start "
+                               "one (bash scripts/start_podman.sh, then bash scripts/build_sandbox_image.sh), or "
+                               "pass --allow-unsandboxed-code to accept that risk")
 
     def open(self, tool_format: str | None) -> str:
         if len(self.sessions) >= self.max_sessions:
@@ -131,9 +155,11 @@ class Refused(Exception):
 
 
 def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key: str | None,
-               max_sessions: int = 1024, session_timeout_s: float = 600.0) -> Any:
-    """The ASGI app (behind the API-key and body-size guard)."""
-    sessions = EnvSessions(env_id, env_kwargs or {}, max_sessions=max_sessions, timeout_s=session_timeout_s)
+               max_sessions: int = 1024, session_timeout_s: float = 600.0, allow_unsandboxed_code: bool = False) -> Any:
+    """The ASGI app (behind the API-key and body-size guard). An env that runs model-written code (metadata
+    `sandbox`) is served only where a container sandbox works, unless `allow_unsandboxed_code`."""
+    sessions = EnvSessions(env_id, env_kwargs or {}, max_sessions=max_sessions, timeout_s=session_timeout_s,
+                           allow_unsandboxed_code=allow_unsandboxed_code)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -210,12 +236,13 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
 
 
 def serve_env(env_id: str, env_kwargs: dict[str, Any] | None = None, *, host: str = "127.0.0.1", port: int = 8100,
-              api_key_file: str | None = None, max_sessions: int = 1024, session_timeout_s: float = 600.0) -> None:
+              api_key_file: str | None = None, max_sessions: int = 1024, session_timeout_s: float = 600.0,
+              allow_unsandboxed_code: bool = False) -> None:
     """Serves `env_id` until interrupted (see the module docstring); the key from `api_key_file`, else
     `$RELAX_GYM_ENV_KEY`, else generated and printed (on loopback only)."""
     api_key, generated = resolve_server_key(host, api_key_file, ENV_SERVER_KEY_ENV)
     app = create_app(env_id, env_kwargs, api_key=api_key, max_sessions=max_sessions,
-                     session_timeout_s=session_timeout_s)
+                     session_timeout_s=session_timeout_s, allow_unsandboxed_code=allow_unsandboxed_code)
     if generated:
         announce_generated_key(api_key, ENV_SERVER_KEY_ENV)
     uvicorn.Server(uvicorn_config(app, host, port, bounds.ENV_SERVER, log_level="warning")).run()

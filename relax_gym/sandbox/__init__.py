@@ -11,6 +11,7 @@ with a warning; `SandboxConfig(require_container=True)` makes that an error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import warnings
 
@@ -26,6 +27,7 @@ __all__ = [
     "SandboxError",
     "SandboxFallbackWarning",
     "SandboxUnavailableError",
+    "container_unavailable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,18 @@ logger = logging.getLogger(__name__)
 
 class SandboxFallbackWarning(RuntimeWarning):
     """Code will run in a plain subprocess because no container engine could be used."""
+
+
+@functools.lru_cache(maxsize=16)
+def container_unavailable(config: SandboxConfig) -> str | None:
+    """Why no container can run code under `config` (no engine answers, no image), or None when one can; asked of
+    the engine once per config in a process. An env that runs model-written code asks it when it is made, so the
+    fallback is known before any code is sent, and `relax-gym env-server` refuses to serve one without it."""
+    try:
+        ContainerBackend(config).close()
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    return None
 
 
 class Sandbox:
