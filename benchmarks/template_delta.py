@@ -4,7 +4,7 @@ A re-render per turn (render all messages, tokenize the text) is the baseline:
 it is what a bookkeeping that re-templates the history does, and its cost
 grows with the conversation. The delta renders a fixed stand-in plus the new
 messages (twice: the delta and the probe that locates the new messages), so
-its cost should not. Measured on the fixture templates of tests/families
+its cost should not. Measured on the fixture templates of tests/support/families
 (Qwen3, which rewrites history; Llama 3, which does not), per turn, at
 several conversation lengths, in the same process.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from families import FAMILIES
+from support.families import FAMILIES
 
 from relax_gym.messages import message
 from relax_gym.models import render_ids

@@ -6,7 +6,7 @@ file, the record). Library users catch them like any exception.
 
 Every exception class relax_gym defines, under its base, with the module that
 defines it and, in brackets, a shorter path that re-exports it
-(tests/test_exception_tree.py keeps this drawing true):
+(tests/themes/test_exception_tree.py keeps this drawing true):
 
     Exception
       NotExercised                  relax_gym.env.conformance

@@ -52,7 +52,7 @@ step() {  # step NAME COMMAND...: runs COMMAND under the time limit, tees its ou
 
 # pytest -m gpu over the files that hold gpu tests: collecting every file would need every test extra; exit 5
 # (none ran) counts as a failure
-mapfile -t gpu_files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+mapfile -t gpu_files < <(grep -l "pytest.mark.gpu" tests/*/test_*.py)
 step gpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider "${gpu_files[@]}"
 for shape in ${GPU_CHECK_SHAPES:-qwen3-0.6b qwen3-1.7b qwen3-4b}; do
   step "gpu-path-$shape" python3 benchmarks/gpu_path.py --shape "$shape" "$@"

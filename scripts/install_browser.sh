@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium for the viewer's browser tests (tests/test_viewer.py); safe to rerun.
+# Installs Debian's chromium for the viewer's browser tests (tests/viewer/test_viewer.py); safe to rerun.
 # The tests drive it through playwright with executable_path=/usr/bin/chromium, so no
 # `playwright install` (which would download a second browser) is ever needed.
 set -euo pipefail

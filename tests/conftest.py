@@ -12,6 +12,14 @@ import pytest
 
 from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 
+#: Test modules import their shared helpers one way, `from support.X import ...` (tests/support/ is a package), so
+#: tests/ is on sys.path, put there once, here. pytest's default import mode ("prepend") already puts it there, this
+#: being the conftest.py of a folder without __init__.py; the line says so and keeps it under any import mode. The
+#: test folders below mirror the source folders and hold no __init__.py: every test file's basename is unique.
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
 
 @pytest.fixture(scope="session")
 def container_sandbox() -> Iterator[Sandbox]:

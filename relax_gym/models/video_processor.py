@@ -6,7 +6,7 @@ wheel these machines carry. `FramesVideoProcessor` is the same computation on to
 are already decoded and sampled (a `Video`'s): the 8-bit frames resized to the clip's `smart_resize` size by
 the very call torchvision makes (`interpolate`, bicubic, antialiased, on uint8), rescaled, normalised, the
 frame count padded to a multiple of `temporal_patch_size` with the last frame, and the clip cut into
-[grid_t x grid_h x grid_w, C x T x P x P] patches in the Qwen-VL order. tests/test_video.py holds the stock
+[grid_t x grid_h x grid_w, C x T x P x P] patches in the Qwen-VL order. tests/models/test_video.py holds the stock
 `Qwen3VLVideoProcessor`'s outputs (made by tests/fixtures/make_qwen_video_reference.py where torchvision
 installs) and checks this one gives them.
 

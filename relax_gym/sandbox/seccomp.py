@@ -24,7 +24,7 @@ shared_memory), concurrent.futures, asyncio (subprocesses, TCP and unix
 servers), sqlite3 with WAL, ctypes callbacks, mmap, memfd, eventfd, pidfd, pty,
 signals and timers, an import of every stdlib module, and numpy 2 (OpenBLAS
 threads, linalg, fft) and sympy mounted in from outside the image logged no
-syscall outside the list. tests/test_sandbox.py keeps the core of that workload
+syscall outside the list. tests/sandbox/test_sandbox.py keeps the core of that workload
 as test_ordinary_programs_run_under_the_profile.
 
 **Refused with EPERM** (``DENIED``, so the intent is explicit and the answer

@@ -1,0 +1,74 @@
+"""The distributed run's rules that need no Ray: what the health manager kills, the config, and that an
+in-process run never imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from relax_gym.trainer.cluster.budget import RestartBudget
+from relax_gym.trainer.cluster.health import engines_to_replace, is_stalled
+from relax_gym.trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_probe_failure_replaces_the_engine():
+    assert engines_to_replace(["engine-1"], active=4, max_kill_fraction=0.25) == (["engine-1"], None)
+
+
+def test_at_most_a_fraction_of_the_engines_is_replaced_per_round():
+    victims, why = engines_to_replace(["e3", "e1", "e2"], active=8, max_kill_fraction=0.25)
+    assert victims == ["e1", "e2"] and why is None
+
+
+def test_when_most_engines_fail_at_once_none_is_killed():
+    victims, why = engines_to_replace(["e0", "e1", "e2"], active=4, max_kill_fraction=1.0)
+    assert victims == [] and "killing none" in (why or "")
+
+
+def test_a_lone_engine_that_fails_is_replaced():
+    assert engines_to_replace(["e0"], active=1, max_kill_fraction=0.25) == (["e0"], None)
+
+
+def test_a_stall_is_work_in_flight_without_progress():
+    assert is_stalled({"inflight": 2, "idle_s": 10.0}, stall_s=5)
+    assert not is_stalled({"inflight": 0, "idle_s": 1e9}, stall_s=5)  # idle is not stuck
+    assert not is_stalled({"inflight": 2, "idle_s": 1.0}, stall_s=5)
+
+
+def test_a_restart_budget_allows_its_limit_per_window_and_counts_the_run_total():
+    budget = RestartBudget(limit=2, window_s=3600)
+    assert [budget.spend() for _ in range(3)] == [True, True, False]
+    assert budget.total == budget.in_window == 2
+
+
+def test_the_cluster_section_is_absent_unless_asked_for():
+    envs = "envs=[{id: relax/Arithmetic-v0}]"
+    assert load_config(None, [envs]).cluster is None
+    cfg = load_config(None, [envs, "cluster.mode=ray", "cluster.engines.count=3"])
+    assert cfg.cluster is not None and cfg.cluster.engines.count == 3 and cfg.cluster.rollout_workers.count == 1
+    assert cfg.cluster.control.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"cluster\.engines\.cont"):
+        load_config(None, [envs, "cluster.engines.cont=2"])
+
+
+@pytest.mark.timeout(300)
+def test_an_in_process_run_never_imports_ray(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        from relax_gym.trainer.config import load_config
+        from relax_gym.trainer.launch import train
+        cfg = load_config({str(ROOT / "examples/configs/quickstart.yaml")!r},
+                          ["run_dir={tmp_path / 'run'}", "trainer.total_steps=1", "trainer.eval_every=0",
+                           "rollout.groups_per_step=2", "rollout.group_size=2"])
+        train(cfg)
+        assert "ray" not in sys.modules, "an in-process run imported ray"
+        print("no ray")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=280)
+    assert done.returncode == 0 and "no ray" in done.stdout, done.stderr[-2000:]

@@ -1,0 +1,161 @@
+"""Continuous batching in the embedded engine: requests join a running batch and leave it when they stop,
+with the tokens and logprobs they would get alone (static batching, one request at a time)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from support.engines import chaotic_model, teacher_forced
+
+from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
+from relax_gym.engines.continuous import RunningBatch, supports_continuous_batching
+from relax_gym.models import LoadedModel, load_model
+
+
+@pytest.fixture(scope="module")
+def chaotic() -> LoadedModel:
+    """The tiny text model with N(0, 0.3) matrices, so greedy and sampled outputs vary token to token."""
+    return chaotic_model("tiny")
+
+
+def _requests() -> list[GenerateRequest]:
+    """Different prompt lengths, output lengths, sampling params and seeds; two rows share a prompt."""
+    shapes = [(3, 30, 0.0, None), (11, 5, 1.0, 11), (7, 17, 0.8, 12), (3, 9, 1.0, 13), (19, 2, 0.0, None),
+              (5, 24, 0.7, 14), (11, 12, 1.0, 15)]
+    return [
+        GenerateRequest([10 + (7 * i + k) % 90 for k in range(length)] if length != 11 else list(range(40, 51)),
+                        SamplingParams(temperature=t, max_new_tokens=n, seed=seed, top_k=20 if i == 2 else 0))
+        for i, (length, n, t, seed) in enumerate(shapes)
+    ]
+
+
+def test_the_tiny_text_models_batch_continuously_and_media_models_statically():
+    engines = [EmbeddedEngine(load_model("tiny")), EmbeddedEngine(load_model("tiny"), batching="static"),
+               EmbeddedEngine(load_model("tiny-moe"))]
+    try:
+        assert engines[0].continuous and engines[2].continuous
+        assert not engines[1].continuous
+    finally:
+        for engine in engines:
+            asyncio.run(engine.close())
+    for name in ("tiny-vl", "tiny-audio"):
+        loaded = load_model(name)
+        assert not supports_continuous_batching(loaded.model, loaded.processor is not None)
+
+
+@pytest.mark.timeout(60)
+def test_staggered_requests_get_what_each_gets_alone(chaotic):
+    """Requests arrive while others run, join at the next step and leave when they stop; each gets
+    the tokens (greedy and seeded) and logprobs it gets alone under static batching."""
+    requests = _requests()
+
+    async def staggered() -> list:
+        engine = EmbeddedEngine(chaotic)
+        try:
+            tasks = []
+            for request in requests:
+                tasks.append(asyncio.create_task(engine.generate(request)))
+                await asyncio.sleep(0.004)
+            return await asyncio.gather(*tasks)
+        finally:
+            await engine.close()
+
+    async def alone(request: GenerateRequest):
+        engine = EmbeddedEngine(chaotic, batching="static")
+        try:
+            return await engine.generate(request)
+        finally:
+            await engine.close()
+
+    together = asyncio.run(staggered())
+    for request, out in zip(requests, together, strict=True):
+        solo = asyncio.run(alone(request))
+        assert out.output_ids == solo.output_ids and out.finish_reason == solo.finish_reason == "length"
+        assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
+        assert (teacher_forced(chaotic, request, out.output_ids) - torch.tensor(out.logprobs)).abs().max() < 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_a_short_request_does_not_wait_for_a_long_one(chaotic):
+    long = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3000))
+    short = GenerateRequest([8, 9], SamplingParams(temperature=0, max_new_tokens=4))
+
+    async def scenario() -> tuple[bool, int]:
+        engine = EmbeddedEngine(chaotic)
+        try:
+            running = asyncio.create_task(engine.generate(long))
+            await asyncio.sleep(0.1)
+            quick = await asyncio.wait_for(engine.generate(short), 10)
+            return running.done(), len(quick.output_ids)
+        finally:
+            await engine.close()
+
+    long_done, short_tokens = asyncio.run(scenario())
+    assert not long_done and short_tokens == 4
+
+
+def test_a_shared_prompt_is_prefilled_once_and_rows_leave_without_a_trace(chaotic):
+    """The cache mechanics alone: shared prompts share cache rows; after a row leaves and another
+    joins with a longer prompt, each row's next logits equal its own unbatched forward's."""
+    model = chaotic.model.eval()
+    batch = RunningBatch(model, pad_token_id=0)
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 8, 7, 6, 5]]
+    first, logits = batch.prefill(prompts)
+    assert len(first) == 3 and torch.equal(logits[0], logits[1])
+    first.last = torch.tensor([11, 12, 13])
+    batch.join(first)
+    batch.step()
+    batch.keep([1, 2])  # the first row leaves
+    batch.last = torch.tensor([21, 22])
+    late, _ = batch.prefill([list(range(20, 40))])
+    late.last = torch.tensor([14])
+    batch.join(late)
+    logits = batch.step()
+    sequences = [[5, 6, 7, 12, 21], [9, 8, 7, 6, 5, 13, 22], [*range(20, 40), 14]]
+    with torch.no_grad():
+        for row, seq in enumerate(sequences):
+            alone = model(input_ids=torch.tensor([seq])).logits[0, -1]
+            assert (alone - logits[row]).abs().max() < 1e-4, row
+    batch.keep([0, 2])  # the middle row leaves: the padding only it used goes
+    assert batch.mask.shape == (2, 21) and bool(batch.mask[:, 0].any())
+
+
+@pytest.mark.timeout(60)
+def test_a_row_that_ends_on_its_first_token_never_joins(chaotic):
+    long = GenerateRequest([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=200))
+    one = GenerateRequest([8, 9], SamplingParams(temperature=0, max_new_tokens=1))
+
+    async def scenario() -> tuple[int, int, bool]:
+        engine = EmbeddedEngine(chaotic)
+        try:
+            running = asyncio.create_task(engine.generate(long))
+            await asyncio.sleep(0.05)
+            quick = await asyncio.wait_for(engine.generate(one), 10)
+            return len(quick.output_ids), len((await running).output_ids), await engine.health()
+        finally:
+            await engine.close()
+
+    assert asyncio.run(scenario()) == (1, 200, True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the worker's own traceback
+def test_a_failing_worker_answers_every_caller_and_reports_unhealthy(chaotic, monkeypatch):
+    from relax_gym.engines import EngineError
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug in the bookkeeping")
+
+    async def scenario() -> tuple[list, bool]:
+        engine = EmbeddedEngine(chaotic)
+        monkeypatch.setattr(engine, "_sample", broken)
+        calls = [engine.generate(GenerateRequest([5 + i, 6], SamplingParams(max_new_tokens=8))) for i in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        healthy = await engine.health()
+        await engine.close()
+        return results, healthy
+
+    results, healthy = asyncio.run(scenario())
+    assert all(isinstance(r, EngineError) and "worker failed" in str(r) for r in results) and not healthy

@@ -1,1 +1,0 @@
-"""Helpers of tests/test_megatron_backend.py that also run under `torch.distributed.run`."""
