@@ -200,12 +200,27 @@ def test_scale_out_bad_requests_are_400(body):
 
 @pytest.mark.parametrize("body", [b"{}", b'{"num_engines": 1, "engine_ids": ["e1"]}', b'{"engine_ids": []}',
                                   b'{"num_engines": 1, "drain_timeout_s": NaN}', b'{"num_engines": 1, "force": 1}',
-                                  b'{"num_engines": 1, "drain_timeout_s": -1}', b'{"num_engines": 1, "dry": true}'])
+                                  b'{"num_engines": 1, "drain_timeout_s": -1}', b'{"num_engines": 1, "dry": true}',
+                                  b'{"num_engines": 9223372036854775808}', b'{"num_engines": -1}',
+                                  b'{"num_engines": 1, "drain_timeout_s": 1e300}'])
 def test_scale_in_bad_requests_are_400(body):
     async def test(client, fleet, manager):
         response = await client.post("/v1/engines/scale_in", content=body, headers={"content-type": "application/json"})
         assert response.status_code == 400, response.text
         assert fleet.drained == [] and manager.ops() == []
+
+    run_app(test)
+
+
+@pytest.mark.parametrize("body", [b'{"num_engines": 9223372036854775808}', b'{"num_engines": 2000}',
+                                  b'{"num_engines": 2, "timeout_s": 0}',
+                                  b'{"engine_urls": ' + json.dumps(["http://127.0.0.1:1"] * 1100).encode() + b'}'])
+def test_scale_out_numbers_past_their_bounds_are_400_not_500(body):
+    async def test(client, fleet, manager):
+        response = await client.post("/v1/engines/scale_out", content=body,
+                                     headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert manager.ops() == []
 
     run_app(test)
 

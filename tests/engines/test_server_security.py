@@ -204,6 +204,8 @@ def _raw_post(url: str, route: str, raw: bytes, headers: dict[str, str] | None =
         (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 1000000000}}', "sampling_params.max_new_tokens"),
         (b'{"input_ids": [5], "sampling_params": {"sampling_seed": 100000000000000000000000}}', "sampling_seed"),
         (b'{"input_ids": [5], "sampling_params": {"sampling_seed": -1}}', "sampling_seed"),
+        (b'{"input_ids": [5], "sampling_params": {"top_k": 9223372036854775808}}', "sampling_params.top_k"),
+        (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 9223372036854775808}}', "max_new_tokens"),
         (b'{"input_ids": [5], "sampling_params": {"temperature": Infinity}}', "temperature"),
         (b'{"input_ids": [5], "sampling_params": {"temperature": NaN}}', "temperature"),
         (b'{"input_ids": [5], "sampling_params": {"top_p": NaN}}', "top_p"),
@@ -225,6 +227,38 @@ def test_malformed_or_oversized_fields_get_400_naming_them(url, raw, field):
     response = _raw_post(url, "/generate", raw)
     assert response.status_code == 400, response.text
     assert field in _message(response), _message(response)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"seed": 2**64}, "seed"), ({"seed": 2**63 - 1}, "seed"), ({"n": 2**63}, "n"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+])
+def test_the_chat_routes_numbers_are_bounded_too(url, body, field):
+    response = post(f"{url}/v1/chat/completions", timeout=10,
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+    assert response.status_code == 400 and _message(response).startswith(field), response.text
+
+
+def test_a_request_the_sampler_cannot_take_fails_alone_and_the_worker_lives_on(server):
+    """Past the schema (a library caller, or a bound missed): the request fails with its error, its batch mates are
+    answered, and the engine goes on serving; the worker thread never dies of one request."""
+    from relax_gym.engines import EngineError, GenerateRequest, SamplingParams
+
+    url, engine = server
+
+    async def batch() -> list[object]:
+        bad = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=1.0, top_k=2**63), rid="bad")
+        seeded = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2, seed=2**64), rid="seeded")
+        good = GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0), rid="good")
+        return await asyncio.gather(*(engine.generate(r) for r in (bad, seeded, good)), return_exceptions=True)
+
+    bad, seeded, good = asyncio.run(batch())  # the engine answers any caller's loop
+    assert isinstance(bad, EngineError) and "bad" in str(bad)
+    assert isinstance(seeded, EngineError) and "seeded" in str(seeded)
+    assert len(good.output_ids) == 2
+    assert get(f"{url}/health", timeout=10).status_code == 200
+    assert post(f"{url}/generate", json=SHORT, timeout=30).status_code == 200
 
 
 def test_max_new_tokens_may_fill_the_context_and_no_more(url):

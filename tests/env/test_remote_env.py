@@ -142,3 +142,26 @@ def test_idle_sessions_are_closed_and_too_many_are_refused():
         assert gone.status_code == 404 and "timed out" in gone.json()["error"]["message"]
         unknown = client.post("/sessions", json={"seed": 1}, headers=auth)  # no such field
         assert unknown.status_code == 400 and "seed: Extra inputs" in unknown.json()["error"]["message"]
+
+
+def test_an_env_that_runs_code_is_served_only_with_a_container_sandbox(monkeypatch):
+    """No fallback to a subprocess on the server's host for a client's code: without a container the server
+    refuses to start, naming the opt-in; with one, every session is made with `require_container=True`."""
+    import relax_gym.sandbox
+    from relax_gym.env.env_server import create_app
+    from relax_gym.errors import StartupError
+
+    monkeypatch.setattr(relax_gym.sandbox, "container_unavailable", lambda config: "no engine answered")
+    monkeypatch.setattr("relax_gym.envs.math.container_unavailable", lambda config: None)  # no warning here
+    with pytest.raises(StartupError, match=r"runs model-written code.*no engine answered.*--allow-unsandboxed-code"):
+        create_app("relax/MathTool-v0", api_key=KEY)
+    allowed = create_app("relax/MathTool-v0", api_key=KEY, allow_unsandboxed_code=True).app.state.sessions
+    assert "require_container" not in allowed.env_kwargs  # the operator took the risk by name
+    allowed.close_all()
+    monkeypatch.setattr(relax_gym.sandbox, "container_unavailable", lambda config: None)
+    sessions = create_app("relax/MathTool-v0", api_key=KEY).app.state.sessions
+    assert sessions.env_kwargs["require_container"] is True and sessions.probe.sandbox_config.require_container
+    sessions.close_all()
+    plain = create_app("relax/GuessNumber-v0", api_key=KEY).app.state.sessions  # no code: nothing asked
+    assert "require_container" not in plain.env_kwargs
+    plain.close_all()

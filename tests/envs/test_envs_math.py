@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -314,3 +315,15 @@ def test_state_round_trip_resumes_identically():
     other = relax_gym.make("relax/MathTool-v0")
     other.set_state(state)
     assert other.step(final) == expected
+
+
+def test_math_tool_says_it_would_run_code_unsandboxed_when_it_is_made_not_at_the_first_call(monkeypatch):
+    from relax_gym.sandbox import SandboxFallbackWarning
+
+    monkeypatch.setattr("relax_gym.envs.math.container_unavailable", lambda config: "no engine answered")
+    with pytest.warns(SandboxFallbackWarning, match="no container sandbox \\(no engine answered\\).*not a security"):
+        env = relax_gym.make("relax/MathTool-v0")
+    env.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refusing instead of falling back: nothing to warn of
+        relax_gym.make("relax/MathTool-v0", require_container=True).close()
