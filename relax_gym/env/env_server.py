@@ -15,7 +15,9 @@ The env runs with the kwargs the server was started with (a client never chooses
 read the server's files). Every route but /health needs the env server's key (`$RELAX_GYM_ENV_KEY`, never the
 engine's: `relax_gym.web.keys`), and the server binds to loopback unless told otherwise. A session left alone
 `session_timeout_s` is closed; past `max_sessions` a new one is refused (503). An env that raises answers 500
-with the exception's type and message, and its session is closed: the episode is over.
+with the exception's type and message, and its session is closed: the episode is over. A client's own mistake
+is a 4xx and the session stays: a seed out of range (400), options the env refuses at reset (400), a step before
+reset or after the end (409).
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from relax_gym.env.core import Env
+from relax_gym.env.core import Env, EpisodeOverError
 from relax_gym.env.env_wire import messages_to_json, plain
 from relax_gym.env.registration import make
 from relax_gym.errors import StartupError
@@ -57,7 +59,7 @@ class SessionIn(_Strict):
 
 
 class ResetIn(_Strict):
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)  # a task seed: gymnasium seeds numpy with a non-negative int
     options: dict[str, Any] | None = None
 
 
@@ -199,11 +201,17 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
     async def open_session(body: SessionIn) -> dict[str, str]:
         return {"session_id": await asyncio.to_thread(sessions.open, body.tool_format)}
 
-    async def run(sid: str, what: str, call: Any) -> Any:
+    async def run(sid: str, what: str, call: Any, client_errors: tuple[type[Exception], ...] = ()) -> Any:
+        """`call` on the session's env. A client's mistake (a step out of order, `client_errors`) is a 4xx and the
+        session stays; any other exception is the env's failure, which ends its episode (500, session closed)."""
         session = sessions.get(sid)
         async with session.lock:  # one call at a time per episode
             try:
                 result = await call(session.env)
+            except EpisodeOverError as err:  # a step before reset or after the end: the client may reset
+                raise Refused(409, f"env {what}: {err}") from None
+            except client_errors as err:
+                raise Refused(400, f"env {what} refused the request: {type(err).__name__}: {err}") from None
             except Exception as err:  # the env's failure ends its episode; the server goes on
                 sessions.close(sid)
                 raise Refused(500, f"env {what} raised {type(err).__name__}: {err}") from None
@@ -215,7 +223,8 @@ def create_app(env_id: str, env_kwargs: dict[str, Any] | None = None, *, api_key
         async def call(env: Env) -> dict[str, Any]:
             obs, info = await env.areset(seed=body.seed, options=body.options)
             return {"observation": messages_to_json(env.format_observation(obs)), "info": plain(info)}
-        return await run(sid, "reset", call)
+        # options the env cannot take are the client's (a reset may be asked again); without options, the env's
+        return await run(sid, "reset", call, (ValueError, KeyError, IndexError, TypeError) if body.options else ())
 
     @app.post("/sessions/{sid}/step")
     async def step(sid: str, body: StepIn) -> dict[str, Any]:

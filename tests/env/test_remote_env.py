@@ -165,3 +165,29 @@ def test_an_env_that_runs_code_is_served_only_with_a_container_sandbox(monkeypat
     plain = create_app("relax/GuessNumber-v0", api_key=KEY).app.state.sessions  # no code: nothing asked
     assert "require_container" not in plain.env_kwargs
     plain.close_all()
+
+
+def test_a_clients_mistakes_are_4xx_and_its_session_survives_them():
+    """A seed out of range, options the env refuses, a step out of order: the client's, answered with one line,
+    and the session is still there to reset; only the env's own failure ends an episode."""
+    from starlette.testclient import TestClient
+
+    from relax_gym.env.env_server import create_app
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(create_app("relax/Math-v0", api_key=KEY)) as client:
+        sid = client.post("/sessions", json={}, headers=auth).json()["session_id"]
+
+        def call(route: str, body: dict) -> httpx.Response:
+            return client.post(f"/sessions/{sid}/{route}", json=body, headers=auth)
+
+        early = call("step", {"action": "\\boxed{4}"})
+        assert early.status_code == 409 and "call reset() before step()" in early.json()["error"]["message"]
+        negative = call("reset", {"seed": -1})
+        assert negative.status_code == 400 and negative.json()["error"]["message"].startswith("seed:")
+        refused = call("reset", {"seed": 0, "options": {"index": -1}})
+        assert refused.status_code == 400 and "options['index'] must be an int" in refused.json()["error"]["message"]
+        assert call("reset", {"seed": 0}).status_code == 200  # the same session, still open
+        assert call("step", {"action": "\\boxed{4}"}).json()["terminated"]
+        assert call("step", {"action": "\\boxed{4}"}).status_code == 409  # after the end
+        assert call("reset", {"seed": 1}).status_code == 200
