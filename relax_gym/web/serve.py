@@ -23,12 +23,30 @@ from relax_gym.web.guard import protocol_class
 logger = logging.getLogger("relax_gym.web")
 
 
+class NoQueryInAccessLog(logging.Filter):
+    """Drops the query string from uvicorn's access lines: no route reads one, but a client that sends its key
+    as `?api_key=...` would otherwise leave it in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5 and isinstance(record.args[2], str):
+            path = record.args[2]
+            if "?" in path:
+                record.args = (*record.args[:2], path.split("?", 1)[0] + "?<query not logged>", *record.args[3:])
+        return True
+
+
+ACCESS_FILTER = NoQueryInAccessLog()
+
+
 def uvicorn_config(app: Any, host: str, port: int, bounds: Bounds, *, drain_timeout_s: float = 5.0,
                    **kwargs: Any) -> uvicorn.Config:
-    """uvicorn's settings for `app` under `bounds`: the read deadline, the connection cap, the SIGTERM drain."""
-    return uvicorn.Config(app, host=host, port=port, http=protocol_class(bounds.read_timeout_s),
-                          limit_concurrency=bounds.max_connections, timeout_keep_alive=5,
-                          timeout_graceful_shutdown=math.ceil(drain_timeout_s), **kwargs)
+    """uvicorn's settings for `app` under `bounds`: the read deadline, the connection cap, the SIGTERM drain, and
+    access lines without query strings."""
+    config = uvicorn.Config(app, host=host, port=port, http=protocol_class(bounds.read_timeout_s),
+                            limit_concurrency=bounds.max_connections, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=math.ceil(drain_timeout_s), **kwargs)
+    logging.getLogger("uvicorn.access").addFilter(ACCESS_FILTER)  # after the config set up uvicorn's logging
+    return config
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -189,3 +189,23 @@ def test_backoff_doubles_from_the_first_delay_up_to_the_cap() -> None:
     assert backoff_delay(10**6, first_s=1e-9, cap_s=2.0) == 2.0  # no overflow however long the outage
     with pytest.raises(ValueError, match="attempt counts from 1"):
         backoff_delay(0)
+
+
+def test_a_key_sent_in_a_query_string_never_reaches_the_access_log(caplog) -> None:
+    """No route reads a query string, but uvicorn logs it: the access line keeps the path and drops the query."""
+    import logging
+
+    from relax_gym.web.serve import uvicorn_config
+
+    uvicorn_config(_app(api_key=None), "127.0.0.1", 0, bounds.CONTROL_API)  # installs the filter
+    access = logging.getLogger("uvicorn.access")  # uvicorn's config stops it propagating: listen on it directly
+    access.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "POST", "/generate?api_key=s3cret", "1.1", 401)
+            access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/health", "1.1", 200)
+    finally:
+        access.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert lines == ['127.0.0.1:5 - "POST /generate?<query not logged> HTTP/1.1" 401',
+                     '127.0.0.1:5 - "GET /health HTTP/1.1" 200']
