@@ -57,6 +57,13 @@ def test_the_cluster_section_is_absent_unless_asked_for():
         load_config(None, [envs, "cluster.engines.cont=2"])
 
 
+def test_a_run_caps_the_engines_a_scale_out_may_reach():
+    envs = "envs=[{id: relax/Arithmetic-v0}]"
+    assert load_config(None, [envs, "cluster.mode=ray"]).cluster.control.max_engines == 64
+    with pytest.raises(ConfigError, match=r"engines\.count \(9\) is over cluster\.control\.max_engines \(8\)"):
+        load_config(None, [envs, "cluster.engines.count=9", "cluster.control.max_engines=8"])
+
+
 @pytest.mark.timeout(300)
 def test_an_in_process_run_never_imports_ray(tmp_path):
     script = textwrap.dedent(f"""

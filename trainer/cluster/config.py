@@ -90,6 +90,8 @@ class ControlSection(_Strict):
                       "RUN_DIR/control.json")
     token: str | None = Field(None, description="the bearer token; else $RELAX_GYM_CONTROL_TOKEN, else one "
                               "generated into RUN_DIR/control_token (0600)")
+    max_engines: int = Field(64, ge=1, le=1024, description="scale-out never goes above this many engines, so a "
+                             "typo or a stolen token cannot start hundreds")
 
 
 class ClusterSection(_Strict):
@@ -125,6 +127,9 @@ class ClusterSection(_Strict):
 
     @model_validator(mode="after")
     def _reachable(self) -> ClusterSection:
+        if self.engines.count > self.control.max_engines:
+            raise ValueError(f"cluster.engines.count ({self.engines.count}) is over cluster.control.max_engines "
+                             f"({self.control.max_engines}): raise max_engines")
         if self.weight_sync == "distributed" and self.engines.kind == "embedded":
             raise ValueError("cluster.weight_sync=distributed reaches engines through SGLang's HTTP routes: set "
                              "cluster.engines.kind=serve or sglang (or use object_store / disk)")

@@ -127,7 +127,7 @@ class ClusterTrainer(Trainer):
     async def _start_control(self) -> None:
         """The elastic-rollout control API, in this loop (where the fleet lives), behind a bearer token."""
         c = self.cluster.control
-        self.scaler = ScaleManager(self.fleet)
+        self.scaler = ScaleManager(self.fleet, max_engines=c.max_engines)
         token = resolve_control_token(self.run_dir, c.token)
         self.control = ControlServer(create_control_app(self.fleet, self.scaler, token), host=c.host, port=c.port,
                                      run_dir=self.run_dir)
