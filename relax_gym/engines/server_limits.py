@@ -23,7 +23,7 @@ class ServerLimits(BaseModel):
     context_length: int | None = Field(None, ge=2, description="prompt + max_new_tokens bound; default the model's")
     health_timeout_s: float = Field(20.0, gt=0, description="/health_generate's bound on its one-token probe")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, time for requests in flight to finish")
-    max_connections: int = Field(1024, ge=1, description="open connections; more get 503")
+    max_connections: int = Field(1024, ge=1, description="open connections; past it the oldest idle one is closed")
 
     @property
     def max_body_bytes(self) -> int:

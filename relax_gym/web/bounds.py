@@ -12,8 +12,8 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Bounds:
-    """What one server accepts: `Guard` enforces the body cap, `GuardedH11Protocol` the read deadline, uvicorn the
-    connection cap (more connections get 503)."""
+    """What one server accepts: `Guard` enforces the body cap, `GuardedH11Protocol` the read deadline and the
+    connection cap (past it, the oldest idle connection is closed)."""
 
     #: largest request body, checked against Content-Length and again as the body arrives
     max_body_bytes: int

@@ -4,9 +4,12 @@ Two layers, each where it can act earliest (the bounds are a server's `Bounds`):
 - `Guard` (ASGI middleware): the bearer key on every route but the server's open ones (liveness, model info),
   and the body cap, both answered before a byte of the body is parsed; the body is read here, so a client that
   sends more than it announced (or announces nothing) is cut off at the cap.
-- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol plus one timer): a request whose header and body have not
-  fully arrived within `read_timeout_s` of its first byte, or a connection that sends nothing at all, is closed.
-  uvicorn has no such timeout: a client that sends half a header holds its connection forever.
+- `GuardedH11Protocol` (uvicorn's HTTP/1.1 protocol plus one timer and one cap): a request whose header and body
+  have not fully arrived within `read_timeout_s` of its first byte, or a connection that sends nothing at all, is
+  closed. uvicorn has no such timeout: a client that sends half a header holds its connection forever. Past
+  `max_connections`, the oldest connection with no request under way is closed to let the new one in: a flood of
+  idle sockets cannot lock the operator or the health probe out (uvicorn's `limit_concurrency` counts idle sockets
+  and answers everyone 503).
 """
 
 from __future__ import annotations
@@ -100,11 +103,31 @@ class GuardedH11Protocol(H11Protocol):
     connection is closed (a request already being handled sees a disconnect)."""
 
     read_timeout_s: float  # set by `protocol_class`
+    max_connections: int  # likewise
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
+        self._opened = self.loop.time()
         self._arm()
+        if len(self.connections) > self.max_connections:
+            self._make_room()
+
+    def _idle(self) -> bool:
+        """No request under way: none has begun arriving, or the last one was answered."""
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _make_room(self) -> None:
+        """Closes the oldest idle connections (never this one) until the cap holds; with none idle, this one."""
+        idle = sorted((c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                       and c._idle() and not c.transport.is_closing()), key=lambda c: c._opened)
+        excess = len(self.connections) - self.max_connections
+        for victim in idle[:excess]:
+            victim.transport.close()
+        if excess > len(idle):
+            self.logger.warning("%d connections are open and none is idle (max_connections): closed a new one",
+                                len(self.connections) - 1)
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._deadline is None and self.conn.their_state is h11.IDLE:
@@ -133,6 +156,7 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def protocol_class(read_timeout_s: float) -> type[GuardedH11Protocol]:
-    """`GuardedH11Protocol` with its deadline bound (uvicorn builds protocols from a class, not an instance)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"read_timeout_s": read_timeout_s})
+def protocol_class(read_timeout_s: float, max_connections: int) -> type[GuardedH11Protocol]:
+    """`GuardedH11Protocol` with its deadline and cap bound (uvicorn builds protocols from a class)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"read_timeout_s": read_timeout_s, "max_connections": max_connections})

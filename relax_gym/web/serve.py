@@ -42,8 +42,8 @@ def uvicorn_config(app: Any, host: str, port: int, bounds: Bounds, *, drain_time
                    **kwargs: Any) -> uvicorn.Config:
     """uvicorn's settings for `app` under `bounds`: the read deadline, the connection cap, the SIGTERM drain, and
     access lines without query strings."""
-    config = uvicorn.Config(app, host=host, port=port, http=protocol_class(bounds.read_timeout_s),
-                            limit_concurrency=bounds.max_connections, timeout_keep_alive=5,
+    config = uvicorn.Config(app, host=host, port=port,
+                            http=protocol_class(bounds.read_timeout_s, bounds.max_connections), timeout_keep_alive=5,
                             timeout_graceful_shutdown=math.ceil(drain_timeout_s), **kwargs)
     logging.getLogger("uvicorn.access").addFilter(ACCESS_FILTER)  # after the config set up uvicorn's logging
     return config

@@ -209,3 +209,33 @@ def test_a_key_sent_in_a_query_string_never_reaches_the_access_log(caplog) -> No
     lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
     assert lines == ['127.0.0.1:5 - "POST /generate?<query not logged> HTTP/1.1" 401',
                      '127.0.0.1:5 - "GET /health HTTP/1.1" 200']
+
+
+def test_a_flood_of_idle_sockets_never_locks_a_real_request_out() -> None:
+    """Past `max_connections` the oldest idle connection is closed for the new one: twelve sockets that never send
+    a byte against a cap of four, and the health probe and an authenticated request are still answered."""
+    from relax_gym.web.bounds import Bounds
+
+    async def main() -> tuple[int, int, int]:
+        server = InLoopServer(_app(), Bounds(max_body_bytes=1024, read_timeout_s=30.0, max_connections=4),
+                              name="capped server")
+        url = await server.start()
+        port = int(url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+        await asyncio.sleep(0.5)  # the server accepts them all, closing the oldest as it goes
+        async with httpx.AsyncClient() as client:
+            health = (await client.get(f"{url}/health")).status_code
+            echo = (await client.post(f"{url}/echo", json={"n": 3}, headers=bearer("k"))).status_code
+        still_open = 0
+        for sock in idle:
+            sock.setblocking(False)
+            try:
+                still_open += sock.recv(1) != b""
+            except BlockingIOError:
+                still_open += 1
+            sock.close()
+        await server.stop()
+        return health, echo, still_open
+
+    health, echo, still_open = asyncio.run(main())
+    assert (health, echo) == (200, 200) and still_open <= 3
