@@ -325,6 +325,21 @@ def _decode_media(body: GenerateIn, limits: ServerLimits) -> tuple[list[Image.Im
         raise BadRequest(str(err)) from None
 
 
+def chars_per_token(loaded: Any) -> int:
+    """The most characters one token of `loaded`'s vocabulary can stand for: its longest token's symbols (a
+    byte-level or sentencepiece symbol covers at most one character), so a text longer than context x this cannot
+    fit, and is refused before the tokenizer spends time and memory on it."""
+    tokenizer = loaded.tokenizer
+    return max(1, max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t),
+                      default=1))
+
+
+def _check_chars(text: str, context: int | None, per_token: int) -> None:
+    if context is not None and len(text) > context * per_token:
+        raise BadRequest(f"text: {len(text)} characters cannot fit in the model's context of {context} tokens "
+                         f"(its longest token is {per_token} characters)")
+
+
 def _check_length(prompt: int, max_new_tokens: int, context: int | None, field: str) -> None:
     """SGLang's rule: the prompt and the tokens asked for must fit in the model's context."""
     if context is None:
@@ -409,6 +424,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     install_error_handlers(app)
     name = engine.loaded.name
     context = limits.context_length or engine.context_length
+    per_token = chars_per_token(engine.loaded)
     decoders = asyncio.Semaphore(MEDIA_DECODERS)
     pending = 0
     groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
@@ -428,6 +444,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         params = body.sampling_params.to_params()
         if body.input_ids is not None:
             _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
+        else:  # before the media are decoded and the text tokenized
+            _check_chars(body.text or "", context, per_token)
         async with decoders:
             images, audios, videos = await asyncio.to_thread(_decode_media, body, limits)
         routes = body.return_routed_experts

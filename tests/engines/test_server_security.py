@@ -498,6 +498,8 @@ def test_serve_prints_a_generated_key_bounds_memory_under_oversized_input_and_st
         for thread in threads:
             thread.join(120)
         assert codes == [400] * 8
+        text = httpx.post(f"{url}/generate", json={"text": "hello " * 700_000}, timeout=60, headers=auth)  # 4 MB
+        assert text.status_code == 400 and "characters cannot fit" in text.json()["error"]["message"]  # untokenized
         grown_mib = (_status(process.pid, "VmHWM") - peak_before) / 1024
         assert grown_mib < 200, f"the server's peak memory grew by {grown_mib:.0f} MiB"
 
