@@ -5,7 +5,9 @@ exact token ids, and answered in OpenAI's shape: the reply's content, its tool c
 family's parser (`tool_calls`, arguments as a JSON string), `finish_reason` ("tool_calls", "stop",
 "length"), token logprobs when asked, and usage. `n` samples go as `n` requests (the engine batches them);
 `stream` answers the same completion as server-sent events (one chunk per choice, then `[DONE]`).
-Images arrive as `image_url` parts holding data URLs (never fetched from a URL).
+Images arrive as `image_url` parts holding data URLs (never fetched from a URL). What a template cannot take
+(text that is not UTF-8, JSON nested deeper than `MAX_DEPTH`, an image for a text model) is the request's error
+(`RequestError`, a 400 naming it), never the server's; the render runs off the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Literal
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, RequestError, SamplingParams
@@ -30,6 +33,28 @@ from relax_gym.tools import ToolCallFormat
 MAX_N = 64
 #: max_tokens when a request gives none
 DEFAULT_MAX_TOKENS = 512
+#: the deepest JSON a message, a tool call's arguments or a tool schema may nest (templates render it recursively)
+MAX_DEPTH = 32
+
+
+def check_plain(value: Any, where: str) -> None:
+    """`value` (JSON data) nests at most `MAX_DEPTH` deep and holds only UTF-8 text; else RequestError naming
+    `where`. Iterative: a hostile depth is measured, not recursed into."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise RequestError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(f"{where}: not valid UTF-8 text (a lone surrogate at position {err.start})") \
+                    from None
+        elif isinstance(item, dict):
+            stack += [(k, depth) for k in item] + [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item]
 
 
 class ChatMessageIn(BaseModel):
@@ -65,7 +90,9 @@ def to_messages(body: ChatCompletionIn, decode_image: Any) -> list[Message]:
     """The request's messages as relax_gym messages (an assistant's tool calls with arguments as objects, as chat
     templates take them); `decode_image(data_url, where)` reads an `image_url` part."""
     out: list[Message] = []
+    check_plain(body.tools, "tools")
     for i, msg in enumerate(body.messages):
+        check_plain(msg.model_dump(exclude_none=True), f"messages[{i}]")
         parts: list[Any] = []
         if isinstance(msg.content, str):
             parts.append(text(msg.content))
@@ -85,6 +112,7 @@ def to_messages(body: ChatCompletionIn, decode_image: Any) -> list[Message]:
             extra["tool_call_id"] = msg.tool_call_id
         if msg.tool_calls:
             extra["tool_calls"] = [_call_in(c) for c in msg.tool_calls]
+            check_plain(extra["tool_calls"], f"messages[{i}].tool_calls")  # the arguments, parsed
         role = "system" if msg.role == "developer" else msg.role
         out.append(message(role, *parts, **extra))
     return out
@@ -149,7 +177,11 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
                           tool_format: ToolCallFormat, decode_image: Any, model_name: str) -> dict[str, Any]:
     """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring)."""
     messages = to_messages(body, decode_image)
-    request = prompt_request(loaded, messages, body)
+    try:  # rendering and tokenizing a long chat takes seconds: not on the loop that serves everyone
+        request = await asyncio.to_thread(prompt_request, loaded, messages, body)
+    except (ValueError, TypeError, RecursionError, TemplateError) as err:  # what the template cannot take
+        raise RequestError(f"messages: the chat template cannot render them: {type(err).__name__}: "
+                           f"{str(err)[:300]}") from None
     requests = [request if body.n == 1 else replace(request, sampling=replace(
         request.sampling, seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
     outputs = await asyncio.gather(*(engine.generate(r) for r in requests))

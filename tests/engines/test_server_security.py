@@ -240,6 +240,30 @@ def test_the_chat_routes_numbers_are_bounded_too(url, body, field):
     assert response.status_code == 400 and _message(response).startswith(field), response.text
 
 
+def _nested(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(("chat", "said"), [
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0]: not valid UTF-8"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps(_nested(900))}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]}, "messages[1].tool_calls: nested deeper than 32"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(400)}}]}, "tools: nested deeper"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(8, 8))}},
+                                                {"type": "text", "text": "what is it?"}]}]},
+     "messages: the chat template cannot render them"),
+])
+def test_what_a_chat_template_cannot_take_is_a_400_in_one_line_not_a_500(url, chat, said):
+    response = _raw_post(url, "/v1/chat/completions", json.dumps({**chat, "max_tokens": 2}).encode())  # \ud800 too
+    assert response.status_code == 400 and said in _message(response), response.text
+    assert "\n" not in _message(response) and len(_message(response)) < 600
+
+
 def test_a_request_the_sampler_cannot_take_fails_alone_and_the_worker_lives_on(server):
     """Past the schema (a library caller, or a bound missed): the request fails with its error, its batch mates are
     answered, and the engine goes on serving; the worker thread never dies of one request."""
