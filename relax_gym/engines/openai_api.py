@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -164,7 +165,8 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
         reply["reasoning_content"] = turn.reasoning
     if calls:
         reply["tool_calls"] = calls
-    finish = "tool_calls" if calls else "length" if out.finish_reason == "length" else "stop"
+    # a generation cut short (its token budget, or the server's request timeout: "abort") is OpenAI's "length"
+    finish = "tool_calls" if calls else "length" if out.finish_reason in ("length", "abort") else "stop"
     choice: dict[str, Any] = {"index": index, "message": reply, "finish_reason": finish, "logprobs": None}
     if with_logprobs:
         choice["logprobs"] = {"content": [
@@ -174,17 +176,31 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
 
 
 async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatCompletionIn, *,
-                          tool_format: ToolCallFormat, decode_image: Any, model_name: str) -> dict[str, Any]:
-    """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring)."""
+                          tool_format: ToolCallFormat, decode_image: Any, model_name: str, context: int | None = None,
+                          chars_per_token: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+    """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring).
+
+    `context`: the model's, which the prompt and `max_tokens` must fit, checked before any prefill (a chat that gives
+    no `max_tokens` gets what the context has left, up to the default); `chars_per_token`: with it, a chat whose
+    text cannot fit is refused before it is rendered; `timeout_s`: the engine's bound on each generation, which
+    then ends with the tokens it has so far, finish reason "length" (the embedded engine's `timeout_s`)."""
+    if context is not None and chars_per_token is not None:
+        chars = sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in body.messages)
+        if chars > context * chars_per_token:
+            raise RequestError(f"messages: {chars} characters cannot fit in the model's context of {context} tokens")
     messages = to_messages(body, decode_image)
     try:  # rendering and tokenizing a long chat takes seconds: not on the loop that serves everyone
         request = await asyncio.to_thread(prompt_request, loaded, messages, body)
     except (ValueError, TypeError, RecursionError, TemplateError) as err:  # what the template cannot take
         raise RequestError(f"messages: the chat template cannot render them: {type(err).__name__}: "
                            f"{str(err)[:300]}") from None
+    if context is not None:
+        request = _fitted(request, body, context)
     requests = [request if body.n == 1 else replace(request, sampling=replace(
         request.sampling, seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
-    outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
+    generate = engine.generate if timeout_s is None else \
+        functools.partial(cast(Any, engine).generate, timeout_s=timeout_s)  # the embedded engine's bound
+    outputs = await asyncio.gather(*(generate(r) for r in requests))
     eos = loaded.stop_token_ids()
     choices = [choice_of(loaded, out, i, tool_format, eos, body.logprobs) for i, out in enumerate(outputs)]
     completion = sum(len(o.output_ids) for o in outputs)
@@ -194,6 +210,24 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
         "usage": {"prompt_tokens": len(request.input_ids), "completion_tokens": completion,
                   "total_tokens": len(request.input_ids) + completion},
     }
+
+
+def _fitted(request: GenerateRequest, body: ChatCompletionIn, context: int) -> GenerateRequest:
+    """`request` within `context`: a prompt that fills it, or a `max_tokens` past it, is refused (as /generate
+    refuses it); with no `max_tokens` given, the default is cut to what the context has left."""
+    prompt = len(request.input_ids)
+    if prompt >= context:
+        raise RequestError(f"messages: the prompt has {prompt} tokens (chat template and tools included), the "
+                           f"model's context is {context}")
+    asked = body.max_completion_tokens or body.max_tokens
+    left = context - prompt
+    if asked is not None and asked > left:
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise RequestError(f"{field}: {asked} does not fit: the prompt has {prompt} tokens and the model's context "
+                           f"is {context}, so at most {left}")
+    if asked is None and request.sampling.max_new_tokens > left:
+        return replace(request, sampling=replace(request.sampling, max_new_tokens=left))
+    return request
 
 
 def stream_events(completion: dict[str, Any]) -> Iterator[str]:

@@ -636,8 +636,9 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
                                   {"Retry-After": "1"})
         pending += body.n
         try:
-            answer = await _unless_gone(request, chat_completion(engine, engine.loaded, body, tool_format=tool_format,
-                                                                 decode_image=image_of, model_name=name))
+            answer = await _unless_gone(request, chat_completion(
+                engine, engine.loaded, body, tool_format=tool_format, decode_image=image_of, model_name=name,
+                context=context, chars_per_token=per_token, timeout_s=limits.request_timeout_s))
         finally:
             pending -= body.n
         if answer is None:

@@ -264,6 +264,25 @@ def test_what_a_chat_template_cannot_take_is_a_400_in_one_line_not_a_500(url, ch
     assert "\n" not in _message(response) and len(_message(response)) < 600
 
 
+def test_the_chat_route_keeps_generates_bounds_context_and_timeout(url):
+    """The prompt and max_tokens must fit the context before any prefill; a chat giving no max_tokens gets what is
+    left; the request timeout ends a long chat with its tokens so far, as it ends a /generate."""
+    context = httpx.get(f"{url}/get_model_info", timeout=10).json()["context_length"]
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "one two three"} for i in range(1001)]
+    crowded = post(f"{url}/v1/chat/completions", json={"messages": many, "max_tokens": 2}, timeout=30)
+    assert crowded.status_code == 400 and "messages: the prompt has" in _message(crowded), crowded.text
+    huge = post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 500_000}]},
+                timeout=30)
+    assert huge.status_code == 400 and "characters cannot fit" in _message(huge)
+    hi = [{"role": "user", "content": "hi"}]
+    past = post(f"{url}/v1/chat/completions", json={"messages": hi, "max_tokens": context}, timeout=30)
+    assert past.status_code == 400 and _message(past).startswith("max_tokens: ") and "at most" in _message(past)
+    started = time.monotonic()
+    cut = post(f"{url}/v1/chat/completions", json={"messages": hi, "temperature": 0}, timeout=120)
+    assert cut.status_code == 200 and cut.json()["choices"][0]["finish_reason"] == "length"
+    assert time.monotonic() - started < 30  # the 3 s request timeout, not the context's worth of slowed steps
+
+
 def test_a_request_the_sampler_cannot_take_fails_alone_and_the_worker_lives_on(server):
     """Past the schema (a library caller, or a bound missed): the request fails with its error, its batch mates are
     answered, and the engine goes on serving; the worker thread never dies of one request."""
