@@ -308,12 +308,18 @@ def _version(value: int | str | None, current: int) -> int:
     return value
 
 
-def _decode_media(body: GenerateIn, limits: ServerLimits) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]],
-                                                                    list[Video]]:
+def _decode_media(body: GenerateIn, limits: ServerLimits, modalities: tuple[str, ...]
+                  ) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]], list[Video]]:
+    """The request's media, decoded under the limits; media the model cannot take are refused before any decoding
+    (a decompression bomb sent to a text model costs nothing)."""
     images, audios, videos = _listed(body.image_data), _listed(body.audio_data), _listed(body.video_data)
     if len(images) + len(audios) + len(videos) > limits.max_media_items:
         raise BadRequest(f"image_data, audio_data, video_data: {len(images) + len(audios) + len(videos)} items, over "
                          f"the server's limit of {limits.max_media_items} (max_media_items)")
+    for field, items, kind in (("image_data", images, "image"), ("audio_data", audios, "audio"),
+                               ("video_data", videos, "video")):
+        if items and kind not in modalities:
+            raise BadRequest(f"{field}: the served model takes no {kind} input (it takes {', '.join(modalities)})")
     try:
         return (
             [decode_image(x, f"image_data[{i}]", max_pixels=limits.max_image_pixels) for i, x in enumerate(images)],
@@ -447,7 +453,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         else:  # before the media are decoded and the text tokenized
             _check_chars(body.text or "", context, per_token)
         async with decoders:
-            images, audios, videos = await asyncio.to_thread(_decode_media, body, limits)
+            images, audios, videos = await asyncio.to_thread(_decode_media, body, limits, engine.loaded.modalities)
         routes = body.return_routed_experts
         if body.input_ids is not None:
             return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes,

@@ -68,6 +68,14 @@ def url(server) -> str:
     return server[0]
 
 
+@pytest.fixture(scope="module")
+def media_url() -> Iterator[str]:
+    """A server of a model that takes images, audio and video, for the media checks past the modality check (the
+    text model refuses every medium before decoding it)."""
+    with serving(load_model("tiny-omni"), limits=LIMITS) as (media, _):
+        yield media
+
+
 def _message(response: httpx.Response) -> str:
     body = response.json()
     return (body.get("error") or {}).get("message") or body.get("message") or ""
@@ -218,7 +226,6 @@ def _raw_post(url: str, route: str, raw: bytes, headers: dict[str, str] | None =
         (b'{"input_ids": [5], "sampling_params": {"stop": ["' + b"s" * 300 + b'"]}}', "stop"),
         (b'{"input_ids": ' + json.dumps([5] * 5000).encode() + b"}", "input_ids: the prompt has 5000 tokens"),
         (b'{"text": "' + b"hello " * 5000 + b'"}', "text: the prompt has"),
-        (b'{"input_ids": [5], "image_data": ["' + b"A" * 8 + b'"], "audio_data": []}', "image_data[0]"),
         (b"[1, 2]", "body"),
         (b"{not json", "body"),
     ],
@@ -332,7 +339,17 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(url):
 # --- media --------------------------------------------------------------------------------------
 
 
-def test_server_paths_are_never_read_so_answers_do_not_say_which_files_exist(url, tmp_path):
+def test_media_a_model_cannot_take_are_refused_before_they_are_decoded(url):
+    bomb = _data_url(_png(12_000, 12_000))
+    response = post(f"{url}/generate", json={**SHORT, "image_data": [bomb] * 4}, timeout=30)
+    assert response.status_code == 400 and "image_data: the served model takes no image input" in _message(response)
+    noise = base64.b64encode(os.urandom(64)).decode()
+    audio = post(f"{url}/generate", json={**SHORT, "audio_data": [noise]}, timeout=30)
+    assert audio.status_code == 400 and "takes no audio input (it takes text)" in _message(audio)
+
+
+def test_server_paths_are_never_read_so_answers_do_not_say_which_files_exist(media_url, tmp_path):
+    url = media_url
     real = tmp_path / "real.png"
     Image.new("RGB", (8, 8)).save(real)
     answers = []
@@ -343,14 +360,17 @@ def test_server_paths_are_never_read_so_answers_do_not_say_which_files_exist(url
     assert len(set(answers)) == 1 and "server paths are not read" in answers[0]
 
 
-def test_a_decompression_bomb_is_refused_from_its_header(url):
+def test_a_decompression_bomb_is_refused_from_its_header(media_url):
+    url = media_url
     bomb = _png(12_000, 12_000)  # 144 megapixels in ~150 KB
     response = post(f"{url}/generate", json={**SHORT, "image_data": [_data_url(bomb)] * 4}, timeout=30)
     assert response.status_code == 400 and "144000000 pixels" in _message(response), response.text
     assert "max_image_pixels" in _message(response)
 
 
-def test_images_past_the_item_count_and_undecodable_audio_are_400(url):
+def test_images_past_the_item_count_and_undecodable_audio_are_400(media_url):
+    url = media_url
+    assert "image_data[0]" in _message(_raw_post(url, "/generate", b'{"input_ids": [5], "image_data": ["AAAAAAAA"]}'))
     tiny = _data_url(_png(2, 2))
     many = post(f"{url}/generate", json={**SHORT, "image_data": [tiny] * 33}, timeout=30)
     assert many.status_code == 400 and "max_media_items" in _message(many)
@@ -359,7 +379,8 @@ def test_images_past_the_item_count_and_undecodable_audio_are_400(url):
     assert audio.status_code == 400 and "audio_data[0]: cannot decode audio" in _message(audio)
 
 
-def test_images_in_a_format_outside_the_list_are_refused(url):
+def test_images_in_a_format_outside_the_list_are_refused(media_url):
+    url = media_url
     buffer = io.BytesIO()
     Image.new("RGB", (4, 4)).save(buffer, format="TIFF")
     response = post(f"{url}/generate", json={**SHORT, "image_data": [_data_url(buffer.getvalue())]}, timeout=30)
