@@ -185,7 +185,7 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
     text cannot fit is refused before it is rendered; `timeout_s`: the engine's bound on each generation, which
     then ends with the tokens it has so far, finish reason "length" (the embedded engine's `timeout_s`)."""
     if context is not None and chars_per_token is not None:
-        chars = sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in body.messages)
+        chars = sum(_text_chars(m) for m in body.messages) + len(json.dumps(body.tools or []))
         if chars > context * chars_per_token:
             raise RequestError(f"messages: {chars} characters cannot fit in the model's context of {context} tokens")
     messages = to_messages(body, decode_image)
@@ -210,6 +210,14 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
         "usage": {"prompt_tokens": len(request.input_ids), "completion_tokens": completion,
                   "total_tokens": len(request.input_ids) + completion},
     }
+
+
+def _text_chars(msg: ChatMessageIn) -> int:
+    """The characters of a message that become text tokens (an image part's data URL becomes its image's tokens,
+    which the context check after the render counts)."""
+    parts = msg.content if isinstance(msg.content, list) else [{"type": "text", "text": msg.content or ""}]
+    text_chars = sum(len(str(p.get("text", ""))) for p in parts if p.get("type") == "text")
+    return text_chars + len(json.dumps(msg.tool_calls or [])) + len(msg.name or "")
 
 
 def _fitted(request: GenerateRequest, body: ChatCompletionIn, context: int) -> GenerateRequest:

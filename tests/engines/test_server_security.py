@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -288,6 +289,20 @@ def test_the_chat_route_keeps_generates_bounds_context_and_timeout(url):
     cut = post(f"{url}/v1/chat/completions", json={"messages": hi, "temperature": 0}, timeout=120)
     assert cut.status_code == 200 and cut.json()["choices"][0]["finish_reason"] == "length"
     assert time.monotonic() - started < 30  # the 3 s request timeout, not the context's worth of slowed steps
+
+
+def test_an_images_data_url_is_not_counted_as_text_against_the_context(media_url):
+    """The characters bound before the render counts text only: a photo's data URL is longer than the context has
+    characters for, and becomes a few dozen image tokens."""
+    noise = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(noise, "PNG")
+    photo = _data_url(noise.getvalue())
+    context = httpx.get(f"{media_url}/get_model_info", timeout=10).json()["context_length"]
+    assert len(photo) > context * 32  # past any tokenizer's characters per token
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": photo}},
+                                                      {"type": "text", "text": "what is it?"}]}], "max_tokens": 2}
+    response = post(f"{media_url}/v1/chat/completions", json=chat, timeout=60)
+    assert response.status_code == 200, response.text
 
 
 def test_a_request_the_sampler_cannot_take_fails_alone_and_the_worker_lives_on(server):
