@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -67,11 +67,12 @@ def video_from_frames(frames: Sequence[Image.Image | np.ndarray], fps: float, *,
 
 def read_video(source: str | Path | bytes, *, fps: float | None = 2.0, max_frames: int = MAX_FRAMES,
                max_pixels: int = MAX_PIXELS, codecs: frozenset[str] | None = None,
-               frame_pixels: int | None = None) -> Video:
+               frame_pixels: int | None = None, before_frame: Callable[[int], None] | None = None) -> Video:
     """The frames of a video file (a path, or its bytes), decoded with PyAV: sampled at `fps` per second, at
     most `max_frames` evenly spaced over the clip, or with `fps=None` every frame at the file's own rate (more
     than `max_frames` is then an error). `codecs` (None: any) allows only those decoders, and a frame of more
     than `frame_pixels` (default `max_pixels`) is refused from the stream's header, before a frame is decoded.
+    `before_frame(bytes)` is told each frame's RGB size before it is converted, and may raise to stop the decode.
     VideoError names the source when it does not decode."""
     av = _pyav()
     name = f"{len(source)} bytes of video" if isinstance(source, bytes) else str(source)
@@ -89,6 +90,8 @@ def read_video(source: str | Path | bytes, *, fps: float | None = 2.0, max_frame
             for frame in container.decode(stream):
                 if fps is None and len(decoded) >= max_frames:
                     raise VideoError(f"{name}: more than {max_frames} frames")
+                if before_frame is not None:
+                    before_frame(frame.width * frame.height * 3)
                 decoded.append((float(frame.time or 0.0), frame.to_image()))
     except (av.FFmpegError, IndexError, OSError) as err:
         raise VideoError(f"{name}: cannot decode a video from it: {err}") from err

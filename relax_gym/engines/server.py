@@ -76,7 +76,7 @@ from relax_gym.engines.base import (
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
 from relax_gym.engines.server_limits import ServerLimits
-from relax_gym.engines.server_media import MediaError, decode_audio, decode_image, decode_video
+from relax_gym.engines.server_media import MediaBudget, MediaError, decode_audio, decode_image, decode_video
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.tools.formats import tool_format_of
@@ -320,12 +320,15 @@ def _decode_media(body: GenerateIn, limits: ServerLimits, modalities: tuple[str,
                                ("video_data", videos, "video")):
         if items and kind not in modalities:
             raise BadRequest(f"{field}: the served model takes no {kind} input (it takes {', '.join(modalities)})")
+    budget = MediaBudget(limits.max_media_bytes)
     try:
         return (
-            [decode_image(x, f"image_data[{i}]", max_pixels=limits.max_image_pixels) for i, x in enumerate(images)],
-            [decode_audio(x, f"audio_data[{i}]", max_seconds=limits.max_audio_s) for i, x in enumerate(audios)],
+            [decode_image(x, f"image_data[{i}]", max_pixels=limits.max_image_pixels, budget=budget)
+             for i, x in enumerate(images)],
+            [decode_audio(x, f"audio_data[{i}]", max_seconds=limits.max_audio_s, budget=budget)
+             for i, x in enumerate(audios)],
             [decode_video(x, f"video_data[{i}]", max_frames=limits.max_video_frames,
-                          max_pixels=limits.max_image_pixels) for i, x in enumerate(videos)],
+                          max_pixels=limits.max_image_pixels, budget=budget) for i, x in enumerate(videos)],
         )
     except MediaError as err:
         raise BadRequest(str(err)) from None

@@ -20,6 +20,8 @@ class ServerLimits(BaseModel):
     max_audio_s: float = Field(300.0, gt=0, description="seconds of one audio clip, checked before decoding")
     max_media_items: int = Field(32, ge=0, description="images, audio clips and videos in one request")
     max_video_frames: int = Field(64, ge=1, description="frames of one video, counted as they decode")
+    max_media_mb: float = Field(256.0, gt=0, description="decoded media of one request, summed over its items, "
+                                "counted from headers before each item (a video's each frame) decodes")
     context_length: int | None = Field(None, ge=2, description="prompt + max_new_tokens bound; default the model's")
     health_timeout_s: float = Field(20.0, gt=0, description="/health_generate's bound on its one-token probe")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, time for requests in flight to finish")
@@ -28,6 +30,10 @@ class ServerLimits(BaseModel):
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+    @property
+    def max_media_bytes(self) -> int:
+        return int(self.max_media_mb * 2**20)
 
     @property
     def bounds(self) -> Bounds:

@@ -6,6 +6,9 @@ header, an audio clip's length from its format's header, and both are refused pa
 anything is decoded, so a decompression bomb costs the server only its compressed bytes. A video's frame
 size comes from its stream's header, its frames are counted as they decode (past the limit it is refused),
 and only a few lossless or common codecs are decoded at all (FFmpeg's many decoders are attack surface).
+Every item is also charged to its request's `MediaBudget`, the decoded bytes summed over the request's items,
+from the same headers before it decodes (a video's frame by frame): items each within their caps cannot add up
+to gigabytes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ class MediaError(ValueError):
     """A media item that cannot be used; the message names the field."""
 
 
+class MediaBudget:
+    """The decoded bytes one request's media may take, summed over its items (`max_media_mb`)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes, self.used = limit_bytes, 0
+
+    def take(self, size: int, where: str) -> None:
+        """Charges `size` decoded bytes for `where`, or refuses it (MediaError) past the request's limit."""
+        if self.used + size > self.limit_bytes:
+            raise MediaError(f"{where}: decoding it would bring the request's media to {self.used + size} bytes, "
+                             f"over the server's limit of {self.limit_bytes} (max_media_mb)")
+        self.used += size
+
+
 def inline_bytes(item: str, where: str) -> bytes:
     """A data URL's or bare base64's bytes."""
     if item.startswith("data:"):
@@ -45,8 +62,9 @@ def inline_bytes(item: str, where: str) -> bytes:
         raise MediaError(f"{where}: not a data URL or base64 (server paths are not read)") from None
 
 
-def decode_image(item: str, where: str, *, max_pixels: int) -> Image.Image:
-    """The image, refused past `max_pixels` by its header's size (before its pixels are decoded)."""
+def decode_image(item: str, where: str, *, max_pixels: int, budget: MediaBudget | None = None) -> Image.Image:
+    """The image, refused past `max_pixels` by its header's size (before its pixels are decoded), and charged to
+    `budget` (its bands x pixels)."""
     data = inline_bytes(item, where)
     too_many = f"over the server's limit of {max_pixels} pixels (max_image_pixels)"
     try:
@@ -57,6 +75,8 @@ def decode_image(item: str, where: str, *, max_pixels: int) -> Image.Image:
             width, height = image.size
             if width * height > max_pixels:
                 raise MediaError(f"{where}: {width}x{height} is {width * height} pixels, {too_many}")
+            if budget is not None:
+                budget.take(width * height * len(image.getbands()), where)
             image.load()
     except MediaError:
         raise
@@ -67,8 +87,10 @@ def decode_image(item: str, where: str, *, max_pixels: int) -> Image.Image:
     return image
 
 
-def decode_audio(item: str, where: str, *, max_seconds: float) -> tuple[np.ndarray, int]:
-    """A mono float32 wave and its rate, refused past `max_seconds` by its header's length."""
+def decode_audio(item: str, where: str, *, max_seconds: float,
+                 budget: MediaBudget | None = None) -> tuple[np.ndarray, int]:
+    """A mono float32 wave and its rate, refused past `max_seconds` by its header's length, and charged to
+    `budget` (every channel's float32 samples, as they decode)."""
     data = inline_bytes(item, where)
     try:
         info = soundfile.info(io.BytesIO(data))
@@ -81,6 +103,8 @@ def decode_audio(item: str, where: str, *, max_seconds: float) -> tuple[np.ndarr
     if seconds > max_seconds:
         raise MediaError(f"{where}: {seconds:.1f} s of audio is over the server's limit of {max_seconds:g} s "
                          "(max_audio_s)")
+    if budget is not None:
+        budget.take(info.frames * info.channels * 4, where)
     try:
         wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", frames=info.frames)
     except Exception as err:
@@ -88,12 +112,14 @@ def decode_audio(item: str, where: str, *, max_seconds: float) -> tuple[np.ndarr
     return (wave.mean(axis=1) if wave.ndim == 2 else wave), int(rate)
 
 
-def decode_video(item: str, where: str, *, max_frames: int, max_pixels: int) -> Video:
+def decode_video(item: str, where: str, *, max_frames: int, max_pixels: int,
+                 budget: MediaBudget | None = None) -> Video:
     """Every frame of the clip at its own rate (the client sampled them), refused past `max_frames` frames or
-    frames of more than `max_pixels` pixels."""
+    frames of more than `max_pixels` pixels, each frame charged to `budget` (RGB) before it decodes."""
     data = inline_bytes(item, where)
+    charge = None if budget is None else (lambda size: budget.take(size, where))
     try:
         return read_video(data, fps=None, max_frames=max_frames, max_pixels=max_frames * max_pixels,
-                          codecs=VIDEO_CODECS, frame_pixels=max_pixels)
+                          codecs=VIDEO_CODECS, frame_pixels=max_pixels, before_frame=charge)
     except VideoError as err:
         raise MediaError(f"{where}: {err}") from None

@@ -394,6 +394,15 @@ def test_images_past_the_item_count_and_undecodable_audio_are_400(media_url):
     assert audio.status_code == 400 and "audio_data[0]: cannot decode audio" in _message(audio)
 
 
+def test_media_each_within_their_caps_cannot_add_up_past_the_requests_budget(media_url):
+    """32 grayscale PNGs of 3584x3584 (each at max_image_pixels, ~13 KB compressed): 411 MB decoded in all, refused
+    once the sum passes max_media_mb (256), from the headers, before the item that would pass it decodes."""
+    flat = _data_url(_png(3584, 3584))
+    response = post(f"{media_url}/generate", json={**SHORT, "image_data": [flat] * 32}, timeout=120)
+    assert response.status_code == 400 and "max_media_mb" in _message(response), response.text
+    assert _message(response).startswith("image_data[20]: decoding it would bring the request's media to")
+
+
 def test_images_in_a_format_outside_the_list_are_refused(media_url):
     url = media_url
     buffer = io.BytesIO()
