@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any, Literal, cast
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from relax_gym.messages import Message, image, message, text
@@ -75,16 +75,17 @@ class ChatCompletionIn(BaseModel):
     messages: list[ChatMessageIn] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    # numbers and flags are strict (`true` is not 1, `"5"` is not 5)
+    temperature: StrictFloat = Field(1.0, ge=0)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    logprobs: bool = False
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    logprobs: StrictBool = False
     #: a 64-bit seed, `n` apart for the `n` samples (torch seeds a generator with any 64-bit integer)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)
-    stream: bool = False
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63 - MAX_N)
+    stream: StrictBool = False
 
 
 def to_messages(body: ChatCompletionIn, decode_image: Any) -> list[Message]:

@@ -62,7 +62,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from PIL import Image
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 from safetensors.torch import load as load_safetensors
 
 from relax_gym.engines import tensor_ipc
@@ -133,17 +133,20 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class SamplingIn(BaseModel):
+    """SGLang's sampling params. Counts and flags are strict (`true` is not 1, `"5"` is not 5): a client that
+    sends the wrong type hears so instead of being read as it did not mean."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, le=MAX_INT32)
-    max_new_tokens: int = Field(128, ge=0, le=MAX_INT32)
+    temperature: StrictFloat = Field(1.0, ge=0)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(-1, ge=-1, le=MAX_INT32)
+    max_new_tokens: StrictInt = Field(128, ge=0, le=MAX_INT32)
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=1024)
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=1024)
+    skip_special_tokens: StrictBool = True
+    no_stop_trim: StrictBool = False
+    sampling_seed: StrictInt | None = Field(None, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _only_neutral_extras(self) -> SamplingIn:
@@ -173,16 +176,16 @@ class GenerateIn(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     text: Text | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[StrictInt] | None = None
     image_data: str | list[str] | None = None
     audio_data: str | list[str] | None = None
     video_data: str | list[str] | None = None
     sampling_params: SamplingIn = Field(default_factory=SamplingIn)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
+    return_logprob: StrictBool = False
+    logprob_start_len: StrictInt = -1
     rid: Annotated[Text, Field(max_length=256)] | None = None
-    stream: bool = False
-    return_routed_experts: bool = False
+    stream: StrictBool = False
+    return_routed_experts: StrictBool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateIn:

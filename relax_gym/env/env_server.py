@@ -33,7 +33,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from relax_gym.env.core import Env, EpisodeOverError
 from relax_gym.env.env_wire import messages_to_json, plain
@@ -59,7 +59,7 @@ class SessionIn(_Strict):
 
 
 class ResetIn(_Strict):
-    seed: int | None = Field(None, ge=0, lt=2**63)  # a task seed: gymnasium seeds numpy with a non-negative int
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)  # a task seed: gymnasium seeds numpy with a non-negative int
     options: dict[str, Any] | None = None
 
 

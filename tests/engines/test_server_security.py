@@ -214,6 +214,9 @@ def _raw_post(url: str, route: str, raw: bytes, headers: dict[str, str] | None =
         (b'{"input_ids": [5], "sampling_params": {"sampling_seed": 100000000000000000000000}}', "sampling_seed"),
         (b'{"input_ids": [5], "sampling_params": {"sampling_seed": -1}}', "sampling_seed"),
         (b'{"input_ids": [5], "sampling_params": {"top_k": 9223372036854775808}}', "sampling_params.top_k"),
+        (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": true}}', "max_new_tokens: Input should be"),
+        (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": "5"}}', "max_new_tokens: Input should be"),
+        (b'{"input_ids": [5], "return_logprob": 1}', "return_logprob: Input should be a valid boolean"),
         (b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 9223372036854775808}}', "max_new_tokens"),
         (b'{"input_ids": [5], "sampling_params": {"temperature": Infinity}}', "temperature"),
         (b'{"input_ids": [5], "sampling_params": {"temperature": NaN}}', "temperature"),
@@ -241,6 +244,7 @@ def test_malformed_or_oversized_fields_get_400_naming_them(url, raw, field):
     ({"seed": 2**64}, "seed"), ({"seed": 2**63 - 1}, "seed"), ({"n": 2**63}, "n"),
     ({"max_tokens": 2**63}, "max_tokens"),
     ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ({"n": "2"}, "n: Input should be a valid integer"), ({"max_tokens": True}, "max_tokens"),
 ])
 def test_the_chat_routes_numbers_are_bounded_too(url, body, field):
     response = post(f"{url}/v1/chat/completions", timeout=10,
