@@ -186,7 +186,7 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
     text cannot fit is refused before it is rendered; `timeout_s`: the engine's bound on each generation, which
     then ends with the tokens it has so far, finish reason "length" (the embedded engine's `timeout_s`)."""
     if context is not None and chars_per_token is not None:
-        chars = sum(_text_chars(m) for m in body.messages) + len(json.dumps(body.tools or []))
+        chars = text_chars(body)
         if chars > context * chars_per_token:
             raise RequestError(f"messages: {chars} characters cannot fit in the model's context of {context} tokens")
     messages = to_messages(body, decode_image)
@@ -213,12 +213,26 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
     }
 
 
+def chars_per_token(loaded: LoadedModel) -> int:
+    """The most characters one token of `loaded`'s vocabulary can stand for: its longest token's symbols (a
+    byte-level or sentencepiece symbol covers at most one character), so a text longer than context x this cannot
+    fit, and is refused before the tokenizer spends time and memory on it."""
+    tokenizer = loaded.tokenizer
+    return max(1, max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t),
+                      default=1))
+
+
+def text_chars(body: ChatCompletionIn) -> int:
+    """The characters of a chat that become text tokens: its messages' text, tool calls and names, and its tools."""
+    return sum(_text_chars(m) for m in body.messages) + (len(json.dumps(body.tools)) if body.tools else 0)
+
+
 def _text_chars(msg: ChatMessageIn) -> int:
     """The characters of a message that become text tokens (an image part's data URL becomes its image's tokens,
     which the context check after the render counts)."""
     parts = msg.content if isinstance(msg.content, list) else [{"type": "text", "text": msg.content or ""}]
     text_chars = sum(len(str(p.get("text", ""))) for p in parts if p.get("type") == "text")
-    return text_chars + len(json.dumps(msg.tool_calls or [])) + len(msg.name or "")
+    return text_chars + (len(json.dumps(msg.tool_calls)) if msg.tool_calls else 0) + len(msg.name or "")
 
 
 def _fitted(request: GenerateRequest, body: ChatCompletionIn, context: int) -> GenerateRequest:

@@ -74,7 +74,7 @@ from relax_gym.engines.base import (
     SamplingParams,
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
-from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
+from relax_gym.engines.openai_api import ChatCompletionIn, chars_per_token, chat_completion, stream_events
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaBudget, MediaError, decode_audio, decode_image, decode_video
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
@@ -335,15 +335,6 @@ def _decode_media(body: GenerateIn, limits: ServerLimits, modalities: tuple[str,
         )
     except MediaError as err:
         raise BadRequest(str(err)) from None
-
-
-def chars_per_token(loaded: Any) -> int:
-    """The most characters one token of `loaded`'s vocabulary can stand for: its longest token's symbols (a
-    byte-level or sentencepiece symbol covers at most one character), so a text longer than context x this cannot
-    fit, and is refused before the tokenizer spends time and memory on it."""
-    tokenizer = loaded.tokenizer
-    return max(1, max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t),
-                      default=1))
 
 
 def _check_chars(text: str, context: int | None, per_token: int) -> None:

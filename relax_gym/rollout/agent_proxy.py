@@ -18,8 +18,10 @@ task, the member of its group, the call), as it seeds an env episode's turns; ot
 used. The run's limits hold: a call may generate no more than the tokens its chain has left of
 `max_total_tokens`, an episode makes at most `max_turns` calls over all its chains, and past either a call is
 refused (400) and the episode ends `truncated` with that reason, as an env episode would, whatever the agent
-does next. Images come as `image_url` data URLs, bounded as `relax-gym serve` bounds them. With routing replay
-on, each call asks the engine for its routed experts and a chain keeps its last call's.
+does next. Images come as `image_url` data URLs, bounded as `relax-gym serve` bounds them. A call whose text
+could not fit the episode's token budget is refused before it is rendered, and decoding, rendering and
+tokenizing run in a thread, so one agent's huge call does not stall the loop every episode runs on. With routing
+replay on, each call asks the engine for its routed experts and a chain keeps its last call's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ import numpy as np
 from PIL import Image
 
 from relax_gym.engines.base import Engine, RequestError, SamplingParams, request_seed
-from relax_gym.engines.openai_api import ChatCompletionIn, choice_of, offered_tools, stream_events, to_messages
+from relax_gym.engines.openai_api import (
+    ChatCompletionIn,
+    chars_per_token,
+    choice_of,
+    offered_tools,
+    stream_events,
+    text_chars,
+    to_messages,
+)
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, decode_image
 from relax_gym.models import LoadedModel
@@ -75,6 +85,8 @@ class AgentSession:
     refused: str = ""
     #: the last call's failure, if a call failed (the episode reports it)
     error: str = ""
+    #: one call's messages at a time become tokens (that work runs in a thread, off the rollout's loop)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def _plain(messages: list[Any]) -> list[dict[str, Any]]:
@@ -114,6 +126,8 @@ class AgentProxy:
         self.eos_ids = loaded.stop_token_ids()
         self.sessions: dict[str, AgentSession] = {}
         self.api_key = secrets.token_urlsafe(24)
+        #: a chat with more text than the episode's token budget could hold is refused before it is rendered
+        self.max_chars = limits.max_total_tokens * chars_per_token(loaded)
 
     def open(self, seed_key: tuple[Any, ...] | None = None) -> str:
         sid = secrets.token_urlsafe(12)
@@ -146,8 +160,18 @@ class AgentProxy:
         if body.n != 1:
             raise RequestError("n must be 1 in a training episode: one reply continues it")
         session.calls += 1
-        try:
-            chain = self._chain(session, body)
+        turns = sum(c.conv.turns for c in session.chains)
+        if (chars := text_chars(body)) > self.max_chars:  # the budget is spent whatever the tokens would be
+            over = (f"the agent's messages are {chars} characters, more than rollout.max_total_tokens "
+                    f"({self.limits.max_total_tokens}) tokens can hold")
+            if turns:
+                session.truncated = session.truncated or "token_budget"
+            else:
+                session.refused = f"prompt over max_total_tokens: {over}"
+            raise RequestError(over)
+        try:  # decoding images, rendering and tokenizing take the loop's time from every episode: a thread's
+            async with session.lock:
+                chain = await asyncio.to_thread(self._chain, session, body)
         except ValueError as err:  # messages the policy cannot take (an image for a text model, a bad template)
             raise RequestError(str(err)) from None
         budget = self.limits.max_total_tokens - len(chain.conv.token_ids)

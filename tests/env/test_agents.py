@@ -250,3 +250,31 @@ async def _first_prompt(loaded) -> list[int]:
     from relax_gym.rollout.tokens import ConversationTokens
 
     return ConversationTokens.start(loaded, [{"role": "user", "content": [text("Count.")]}], None).token_ids
+
+
+def test_an_agents_huge_call_is_refused_before_it_is_rendered_and_the_loop_keeps_serving(tiny):
+    """4 MB of text in a first call: the episode fails with why at once (it could never fit the budget), and the
+    other episode on the same loop, an ordinary agent, completes meanwhile."""
+    async def flood(client, task):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x " * 2_000_000}])
+
+    async def ordinary(client, task):
+        reply = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Count."}])
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    register("test/Flood-v0", lambda: AgentEnv(flood, tasks=["t"]))
+    register("test/Ordinary-v0", lambda: AgentEnv(ordinary, tasks=["t"]))
+    engine = ScriptedEngine(tiny, lambda turn: "one two three")
+    manager = RolloutManager(engine, tiny, sampling=SamplingParams(max_new_tokens=8),
+                             limits=RolloutLimits(max_total_tokens=4096, episode_timeout_s=60))
+
+    async def both():
+        try:
+            return await asyncio.gather(manager.run("test/Flood-v0", 1), manager.run("test/Ordinary-v0", 1))
+        finally:
+            await manager.close()
+
+    [flooded], [served] = asyncio.run(both())
+    assert flooded.status == "failed" and flooded.status_reason.startswith(
+        "prompt over max_total_tokens: the agent's messages are 4000000 characters")
+    assert served.status == "completed" and served.reward == 1.0
