@@ -51,6 +51,7 @@ import base64
 import logging
 import math
 import os
+import socket
 import time
 import uuid
 from collections.abc import Awaitable
@@ -354,6 +355,16 @@ def _check_length(prompt: int, max_new_tokens: int, context: int | None, field: 
                          f"tokens and the model's context is {context}, so at most {context - prompt}")
 
 
+async def _dialable(address: str, client: str | None) -> bool:
+    """Whether `address` resolves to loopback only, or to the asking client's own host."""
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    hosts = {str(info[4][0]) for info in found}
+    return bool(hosts) and all(is_loopback(h) or h == client for h in hosts)
+
+
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None once the client has disconnected (then `work` is cancelled)."""
     task = asyncio.ensure_future(work)
@@ -509,9 +520,14 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.post("/init_weights_update_group")
-    async def init_group(body: InitGroupIn) -> JSONResponse:
-        """Blocks until the trainer (rank 0) and every other rank have joined, or the group's timeout."""
+    async def init_group(body: InitGroupIn, request: Request) -> JSONResponse:
+        """Blocks until the trainer (rank 0) and every other rank have joined, or the group's timeout. The group's
+        store is dialled only on this machine or on the host that asked: the key does not make the server a
+        client of any address a caller names."""
         name = body.group_name
+        if not await _dialable(body.master_address, request.client.host if request.client else None):
+            return _refused(f"master_address: {body.master_address!r} is neither this machine nor the client that "
+                            "asks (the trainer rank hosts the group's store)")
         if name in groups or name in joining:
             return _refused(f"group_name: a group named {name!r} exists; destroy it first")
         if body.backend == "nccl" and engine.device.type != "cuda":

@@ -185,6 +185,18 @@ def test_bad_weight_updates_are_refused_before_they_touch_the_model(server, tens
     assert torch.equal(engine.model.model.norm.weight, norm) and engine.weight_version == before
 
 
+def test_a_weights_group_is_joined_only_on_this_machine_or_the_asking_host(url):
+    """The key does not make the server dial any address a caller names (and hold the request for the group's
+    timeout): a store elsewhere is refused at once."""
+    for elsewhere in ("203.0.113.5", "10.255.255.1", "no-such-host.invalid"):
+        started = time.monotonic()
+        refused = post(f"{url}/init_weights_update_group", json={"master_address": elsewhere, "master_port": 29500,
+                                                                 "rank_offset": 1, "world_size": 2,
+                                                                 "backend": "gloo"}, timeout=30)
+        assert refused.status_code == 400 and "neither this machine nor the client" in _message(refused)
+        assert time.monotonic() - started < 10
+
+
 def test_weight_versions_only_go_up(server):
     url, engine = server
     current = engine.weight_version
