@@ -54,7 +54,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
@@ -77,7 +77,15 @@ from relax_gym.engines.base import (
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chars_per_token, chat_completion, stream_events
 from relax_gym.engines.server_limits import ServerLimits
-from relax_gym.engines.server_media import MediaBudget, MediaError, decode_audio, decode_image, decode_video
+from relax_gym.engines.server_media import (
+    MediaBudget,
+    MediaError,
+    decode_audio,
+    decode_image,
+    decode_video,
+    image_reader,
+    not_taken,
+)
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
 from relax_gym.tools.formats import tool_format_of
@@ -312,7 +320,7 @@ def _version(value: int | str | None, current: int) -> int:
     return value
 
 
-def _decode_media(body: GenerateIn, limits: ServerLimits, modalities: tuple[str, ...]
+def _decode_media(body: GenerateIn, limits: ServerLimits, model: str, modalities: tuple[str, ...]
                   ) -> tuple[list[Image.Image], list[tuple[np.ndarray, int]], list[Video]]:
     """The request's media, decoded under the limits; media the model cannot take are refused before any decoding
     (a decompression bomb sent to a text model costs nothing)."""
@@ -320,10 +328,11 @@ def _decode_media(body: GenerateIn, limits: ServerLimits, modalities: tuple[str,
     if len(images) + len(audios) + len(videos) > limits.max_media_items:
         raise BadRequest(f"image_data, audio_data, video_data: {len(images) + len(audios) + len(videos)} items, over "
                          f"the server's limit of {limits.max_media_items} (max_media_items)")
-    for field, items, kind in (("image_data", images, "image"), ("audio_data", audios, "audio"),
-                               ("video_data", videos, "video")):
+    for field, items, kind, named in (("image_data", images, "image", "images"),
+                                      ("audio_data", audios, "audio", "audio"),
+                                      ("video_data", videos, "video", "video")):
         if items and kind not in modalities:
-            raise BadRequest(f"{field}: the served model takes no {kind} input (it takes {', '.join(modalities)})")
+            raise BadRequest(f"{field}: {not_taken(model, modalities, named)}")
     budget = MediaBudget(limits.max_media_bytes)
     try:
         return (
@@ -461,7 +470,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         else:  # before the media are decoded and the text tokenized
             _check_chars(body.text or "", context, per_token)
         async with decoders:
-            images, audios, videos = await asyncio.to_thread(_decode_media, body, limits, engine.loaded.modalities)
+            images, audios, videos = await asyncio.to_thread(_decode_media, body, limits, engine.loaded.name,
+                                                             engine.loaded.modalities)
         routes = body.return_routed_experts
         if body.input_ids is not None:
             return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes,
@@ -640,11 +650,18 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     tool_format = tool_format_of(engine.loaded)
 
-    def image_of(url: str, where: str) -> Image.Image:
-        try:
-            return decode_image(url, where, max_pixels=limits.max_image_pixels)
-        except MediaError as err:
-            raise BadRequest(str(err)) from None
+    def images_of_request() -> Callable[[str, str], Image.Image]:
+        """A chat's image reader: the model's modalities, the item cap and one media budget for the request."""
+        read = image_reader(engine.loaded.name, engine.loaded.modalities, max_pixels=limits.max_image_pixels,
+                            max_items=limits.max_media_items, max_bytes=limits.max_media_bytes)
+
+        def image_of(url: str, where: str) -> Image.Image:
+            try:
+                return read(url, where)
+            except MediaError as err:
+                raise BadRequest(str(err)) from None
+
+        return image_of
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionIn, request: Request) -> Any:
@@ -656,7 +673,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         pending += body.n
         try:
             answer = await _unless_gone(request, chat_completion(
-                engine, engine.loaded, body, tool_format=tool_format, decode_image=image_of, model_name=name,
+                engine, engine.loaded, body, tool_format=tool_format, decode_image=images_of_request(), model_name=name,
                 context=context, chars_per_token=per_token, timeout_s=limits.request_timeout_s))
         finally:
             pending -= body.n

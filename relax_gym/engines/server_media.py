@@ -17,6 +17,7 @@ import base64
 import binascii
 import io
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import soundfile
@@ -123,3 +124,27 @@ def decode_video(item: str, where: str, *, max_frames: int, max_pixels: int,
                           codecs=VIDEO_CODECS, frame_pixels=max_pixels, before_frame=charge)
     except VideoError as err:
         raise MediaError(f"{where}: {err}") from None
+
+
+def not_taken(model: str, modalities: tuple[str, ...], kind: str) -> str:
+    """What a model that takes no `kind` input says of it, the words `models.inputs` uses."""
+    return f"model {model!r} takes {'text only' if modalities == ('text',) else ', '.join(modalities)}, not {kind}"
+
+
+def image_reader(model: str, modalities: tuple[str, ...], *, max_pixels: int, max_items: int,
+                 max_bytes: int) -> Callable[[str, str], Image.Image]:
+    """One request's reader of chat `image_url` parts (`reader(url, where)`): refused for a model that takes no
+    images before any decoding, past `max_items` images, and past `max_bytes` decoded over the request's images."""
+    budget = MediaBudget(max_bytes)
+    count = 0
+
+    def read(url: str, where: str) -> Image.Image:
+        nonlocal count
+        if "image" not in modalities:
+            raise MediaError(f"{where}: {not_taken(model, modalities, 'images')}")
+        count += 1
+        if count > max_items:
+            raise MediaError(f"{where}: more than {max_items} images in one request (max_media_items)")
+        return decode_image(url, where, max_pixels=max_pixels, budget=budget)
+
+    return read

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ from relax_gym.engines.openai_api import (
     to_messages,
 )
 from relax_gym.engines.server_limits import ServerLimits
-from relax_gym.engines.server_media import MediaError, decode_image
+from relax_gym.engines.server_media import MediaError, image_reader
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import request_routes
 from relax_gym.rollout.config import RolloutLimits
@@ -139,6 +140,7 @@ class AgentProxy:
 
     def _chain(self, session: AgentSession, body: ChatCompletionIn) -> Chain:
         sent, tools = _plain(body.messages), offered_tools(body)
+        _image = _image_reader(self.loaded)  # one call's images: the model's modalities, the item cap, one budget
         for chain in reversed(session.chains):
             known = len(chain.request)
             if (tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
@@ -248,12 +250,19 @@ def replace_messages(body: ChatCompletionIn, messages: list[dict[str, Any]]) -> 
     return body.model_copy(update={"messages": [type(body.messages[0]).model_validate(m) for m in messages]})
 
 
-def _image(url: str, where: str) -> Image.Image:
-    """An `image_url` part's image: a data URL, bounded as `relax-gym serve` bounds it."""
-    try:
-        return decode_image(url, where, max_pixels=ServerLimits().max_image_pixels)
-    except MediaError as err:
-        raise RequestError(str(err)) from None
+def _image_reader(loaded: LoadedModel) -> Callable[[str, str], Image.Image]:
+    """One call's reader of `image_url` parts, bounded as `relax-gym serve` bounds a request's images."""
+    limits = ServerLimits()
+    read = image_reader(loaded.name, loaded.modalities, max_pixels=limits.max_image_pixels,
+                        max_items=limits.max_media_items, max_bytes=limits.max_media_bytes)
+
+    def image(url: str, where: str) -> Image.Image:
+        try:
+            return read(url, where)
+        except MediaError as err:
+            raise RequestError(str(err)) from None
+
+    return image
 
 
 class ProxyServer:

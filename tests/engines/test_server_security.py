@@ -280,7 +280,7 @@ def _nested(depth: int) -> object:
       "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(400)}}]}, "tools: nested deeper"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(_png(8, 8))}},
                                                 {"type": "text", "text": "what is it?"}]}]},
-     "messages: the chat template cannot render them"),
+     "messages[0].content[0]: model 'tiny' takes text only, not images"),
 ])
 def test_what_a_chat_template_cannot_take_is_a_400_in_one_line_not_a_500(url, chat, said):
     response = _raw_post(url, "/v1/chat/completions", json.dumps({**chat, "max_tokens": 2}).encode())  # \ud800 too
@@ -305,6 +305,19 @@ def test_the_chat_route_keeps_generates_bounds_context_and_timeout(url):
     cut = post(f"{url}/v1/chat/completions", json={"messages": hi, "temperature": 0}, timeout=120)
     assert cut.status_code == 200 and cut.json()["choices"][0]["finish_reason"] == "length"
     assert time.monotonic() - started < 30  # the 3 s request timeout, not the context's worth of slowed steps
+
+
+def test_a_chats_images_have_the_item_cap_and_the_media_budget_of_generate(media_url):
+    """40 images gave a 500 on the chat route (no item cap); 21 of the largest grayscale ones pass max_media_mb."""
+    def chat(images: list[str]) -> httpx.Response:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in images] + [{"type": "text", "text": "?"}]
+        return post(f"{media_url}/v1/chat/completions", timeout=60,
+                    json={"messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+
+    many = chat([_data_url(_png(2, 2))] * 40)
+    assert many.status_code == 400 and "more than 32 images in one request (max_media_items)" in _message(many)
+    heavy = chat([_data_url(_png(3584, 3584))] * 21)
+    assert heavy.status_code == 400 and "max_media_mb" in _message(heavy), heavy.text
 
 
 def test_an_images_data_url_is_not_counted_as_text_against_the_context(media_url):
@@ -373,10 +386,10 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(url):
 def test_media_a_model_cannot_take_are_refused_before_they_are_decoded(url):
     bomb = _data_url(_png(12_000, 12_000))
     response = post(f"{url}/generate", json={**SHORT, "image_data": [bomb] * 4}, timeout=30)
-    assert response.status_code == 400 and "image_data: the served model takes no image input" in _message(response)
+    assert response.status_code == 400 and "image_data: model 'tiny' takes text only, not images" in _message(response)
     noise = base64.b64encode(os.urandom(64)).decode()
     audio = post(f"{url}/generate", json={**SHORT, "audio_data": [noise]}, timeout=30)
-    assert audio.status_code == 400 and "takes no audio input (it takes text)" in _message(audio)
+    assert audio.status_code == 400 and "audio_data: model 'tiny' takes text only, not audio" in _message(audio)
 
 
 def test_server_paths_are_never_read_so_answers_do_not_say_which_files_exist(media_url, tmp_path):
