@@ -178,16 +178,16 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
 
 async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatCompletionIn, *,
                           tool_format: ToolCallFormat, decode_image: Any, model_name: str, context: int | None = None,
-                          chars_per_token: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+                          timeout_s: float | None = None) -> dict[str, Any]:
     """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring).
 
-    `context`: the model's, which the prompt and `max_tokens` must fit, checked before any prefill (a chat that gives
-    no `max_tokens` gets what the context has left, up to the default); `chars_per_token`: with it, a chat whose
-    text cannot fit is refused before it is rendered; `timeout_s`: the engine's bound on each generation, which
-    then ends with the tokens it has so far, finish reason "length" (the embedded engine's `timeout_s`)."""
-    if context is not None and chars_per_token is not None:
+    `context`: the model's, which the prompt and `max_tokens` must fit: a chat whose text cannot fit is refused
+    before it is rendered (`LoadedModel.max_token_chars`), the prompt is checked before any prefill, and a chat that
+    gives no `max_tokens` gets what the context has left, up to the default. `timeout_s`: the engine's bound on each
+    generation, which then ends with the tokens it has so far, finish reason "length" (the embedded engine's)."""
+    if context is not None:
         chars = text_chars(body)
-        if chars > context * chars_per_token:
+        if chars > context * loaded.max_token_chars:
             raise RequestError(f"messages: {chars} characters cannot fit in the model's context of {context} tokens")
     messages = to_messages(body, decode_image)
     try:  # rendering and tokenizing a long chat takes seconds: not on the loop that serves everyone
@@ -211,15 +211,6 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
         "usage": {"prompt_tokens": len(request.input_ids), "completion_tokens": completion,
                   "total_tokens": len(request.input_ids) + completion},
     }
-
-
-def chars_per_token(loaded: LoadedModel) -> int:
-    """The most characters one token of `loaded`'s vocabulary can stand for: its longest token's symbols (a
-    byte-level or sentencepiece symbol covers at most one character), so a text longer than context x this cannot
-    fit, and is refused before the tokenizer spends time and memory on it."""
-    tokenizer = loaded.tokenizer
-    return max(1, max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t),
-                      default=1))
 
 
 def text_chars(body: ChatCompletionIn) -> int:

@@ -75,7 +75,7 @@ from relax_gym.engines.base import (
     SamplingParams,
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
-from relax_gym.engines.openai_api import ChatCompletionIn, chars_per_token, chat_completion, stream_events
+from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import (
     MediaBudget,
@@ -447,7 +447,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     install_error_handlers(app)
     name = engine.loaded.name
     context = limits.context_length or engine.context_length
-    per_token = chars_per_token(engine.loaded)
+    per_token = engine.loaded.max_token_chars
     decoders = asyncio.Semaphore(MEDIA_DECODERS)
     pending = 0
     groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
@@ -674,7 +674,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         try:
             answer = await _unless_gone(request, chat_completion(
                 engine, engine.loaded, body, tool_format=tool_format, decode_image=images_of_request(), model_name=name,
-                context=context, chars_per_token=per_token, timeout_s=limits.request_timeout_s))
+                context=context, timeout_s=limits.request_timeout_s))
         finally:
             pending -= body.n
         if answer is None:

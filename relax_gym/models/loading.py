@@ -8,6 +8,7 @@ file or a folder holding one (`gguf_checkpoint`: dequantized to a plain model), 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -80,6 +81,15 @@ class LoadedModel:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """The tokenizer's text for one sequence of ids (transformers types `decode` for a batch as well)."""
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the vocabulary's longest token in symbols (a byte-level or
+        sentencepiece symbol covers at most one character). A text longer than N x this cannot fit in N tokens,
+        which a server or a rollout can tell before spending the tokenizer's time and memory on it."""
+        tokenizer = self.tokenizer
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max(1, max((len(t) for t in tokens if t), default=1))
 
 
 TINY_MODELS: tuple[str, ...] = ("tiny", "tiny-moe", "tiny-vl", "tiny-audio", "tiny-omni")

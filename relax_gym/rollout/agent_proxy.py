@@ -40,7 +40,6 @@ from PIL import Image
 from relax_gym.engines.base import Engine, RequestError, SamplingParams, request_seed
 from relax_gym.engines.openai_api import (
     ChatCompletionIn,
-    chars_per_token,
     choice_of,
     offered_tools,
     stream_events,
@@ -128,7 +127,7 @@ class AgentProxy:
         self.sessions: dict[str, AgentSession] = {}
         self.api_key = secrets.token_urlsafe(24)
         #: a chat with more text than the episode's token budget could hold is refused before it is rendered
-        self.max_chars = limits.max_total_tokens * chars_per_token(loaded)
+        self.max_chars = limits.max_total_tokens * loaded.max_token_chars
 
     def open(self, seed_key: tuple[Any, ...] | None = None) -> str:
         sid = secrets.token_urlsafe(12)

@@ -307,7 +307,12 @@ class _Episode:
                 self.end("truncated", "max_turns")
                 return
             try:
-                self.conv.append_observation(env.format_observation(obs))
+                observation = env.format_observation(obs)
+                left = m.limits.max_total_tokens - len(self.conv.token_ids)
+                if _text_chars(observation) > left * m.loaded.max_token_chars:  # no tokenizer time on what can't fit
+                    self.end("truncated", "token_budget")
+                    return
+                self.conv.append_observation(observation)
             except (TemplateError, ValueError) as err:
                 self.end("failed", f"could not render the observation: {err}")
 
@@ -363,6 +368,12 @@ class _Episode:
         )
         traj.check()
         return traj
+
+
+def _text_chars(messages: Sequence[Message]) -> int:
+    """The characters of `messages`' text parts: an upper bound, through `LoadedModel.max_token_chars`, on the
+    tokens they can take off the budget, known before any tokenizing."""
+    return sum(len(str(p.get("text", ""))) for m in messages for p in m.get("content") or () if p.get("type") == "text")
 
 
 def _task_text(messages: Sequence[Message]) -> str:

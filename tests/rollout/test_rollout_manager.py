@@ -115,6 +115,13 @@ class Retry(ArithmeticEnv):
         return [user("Wrong, try again. " + self.task["prompt"])], 0.0, False, False, {}
 
 
+class Flood(ArithmeticEnv):
+    """Answers every action with 4 MB of text: far more than any budget, which must not be tokenized."""
+
+    def step(self, action):
+        return [user("x " * 2_000_000)], 0.0, False, False, {}
+
+
 async def _episodes(loaded, env_id, n=1, limits=None, max_new_tokens=24, temperature=1.0):
     engine = EmbeddedEngine(loaded, seed=0)
     manager = RolloutManager(engine, loaded, limits=limits,
@@ -154,6 +161,14 @@ def test_the_turn_limit_truncates_a_multi_turn_episode(warm):
     assert (traj.status, traj.status_reason) == ("truncated", "max_turns")
     assert traj.metrics["turns"] == 2 and traj.metrics["rerender_match"]
     assert [s.kind for s in traj.segments] == ["prompt", "policy", "glue", "env", "policy"]
+
+
+def test_an_observation_that_cannot_fit_the_budget_ends_the_episode_untokenized(warm):
+    relax_gym.register("test/Flood-v0", Flood)
+    (traj,) = asyncio.run(_episodes(warm, "test/Flood-v0", temperature=0.0, max_new_tokens=8,
+                                    limits=RolloutLimits(max_turns=4, max_total_tokens=4096)))
+    assert (traj.status, traj.status_reason) == ("truncated", "token_budget")
+    assert traj.metrics["turns"] == 1 and len(traj.token_ids) < 4096  # the flood never joined the sequence
 
 
 def test_the_token_budget_caps_generation(models):
