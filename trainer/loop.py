@@ -35,10 +35,10 @@ import torch
 
 from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
 from relax_gym.engines.factory import make_engine
+from relax_gym.env.registration import resolve_env_id
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import load_model
 from relax_gym.models.moe_routing import experts_per_token
-from relax_gym.registration import resolve_env_id
 from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
