@@ -33,6 +33,17 @@ class RequestError(EngineError):
     """The request itself is invalid (the message names the field): retrying it cannot help."""
 
 
+def check_fits(prompt: int, max_new_tokens: int, context: int, prompt_field: str,
+               max_field: str = "sampling_params.max_new_tokens") -> None:
+    """SGLang's rule: the prompt and the tokens asked for must fit in the model's context; RequestError naming the
+    field that does not (`/generate` and the chat route both ask it before any prefill)."""
+    if prompt >= context:
+        raise RequestError(f"{prompt_field}: the prompt has {prompt} tokens, the model's context is {context}")
+    if prompt + max_new_tokens > context:
+        raise RequestError(f"{max_field}: {max_new_tokens} does not fit: the prompt has {prompt} tokens and the "
+                           f"model's context is {context}, so at most {context - prompt}")
+
+
 class EngineUnavailableError(EngineError):
     """The server stayed unreachable (or 502/503/504) for the whole outage budget: an outage, not a bad answer."""
 

@@ -25,7 +25,7 @@ from typing import Any, Literal, cast
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, RequestError, SamplingParams, check_fits
 from relax_gym.messages import Message, image, message, text
 from relax_gym.models import LoadedModel, processor_inputs
 from relax_gym.tools import ToolCallFormat
@@ -229,18 +229,11 @@ def _text_chars(msg: ChatMessageIn) -> int:
 def _fitted(request: GenerateRequest, body: ChatCompletionIn, context: int) -> GenerateRequest:
     """`request` within `context`: a prompt that fills it, or a `max_tokens` past it, is refused (as /generate
     refuses it); with no `max_tokens` given, the default is cut to what the context has left."""
-    prompt = len(request.input_ids)
-    if prompt >= context:
-        raise RequestError(f"messages: the prompt has {prompt} tokens (chat template and tools included), the "
-                           f"model's context is {context}")
-    asked = body.max_completion_tokens or body.max_tokens
-    left = context - prompt
-    if asked is not None and asked > left:
-        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise RequestError(f"{field}: {asked} does not fit: the prompt has {prompt} tokens and the model's context "
-                           f"is {context}, so at most {left}")
-    if asked is None and request.sampling.max_new_tokens > left:
-        return replace(request, sampling=replace(request.sampling, max_new_tokens=left))
+    prompt, asked = len(request.input_ids), body.max_completion_tokens or body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    check_fits(prompt, asked or 0, context, "messages", field)  # the prompt counts its template and tools
+    if asked is None and request.sampling.max_new_tokens > context - prompt:
+        return replace(request, sampling=replace(request.sampling, max_new_tokens=context - prompt))
     return request
 
 

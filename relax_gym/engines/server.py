@@ -73,6 +73,7 @@ from relax_gym.engines.base import (
     GenerateRequest,
     RequestError,
     SamplingParams,
+    check_fits,
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
@@ -354,14 +355,8 @@ def _check_chars(text: str, context: int | None, per_token: int) -> None:
 
 
 def _check_length(prompt: int, max_new_tokens: int, context: int | None, field: str) -> None:
-    """SGLang's rule: the prompt and the tokens asked for must fit in the model's context."""
-    if context is None:
-        return
-    if prompt >= context:
-        raise BadRequest(f"{field}: the prompt has {prompt} tokens, the model's context is {context}")
-    if prompt + max_new_tokens > context:
-        raise BadRequest(f"sampling_params.max_new_tokens: {max_new_tokens} does not fit: the prompt has {prompt} "
-                         f"tokens and the model's context is {context}, so at most {context - prompt}")
+    if context is not None:
+        check_fits(prompt, max_new_tokens, context, field)
 
 
 async def _dialable(address: str, client: str | None) -> bool:
