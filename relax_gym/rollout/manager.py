@@ -31,7 +31,7 @@ from relax_gym.engines.base import (
 from relax_gym.env.agent_env import AgentEnv
 from relax_gym.env.core import Env
 from relax_gym.env.registration import make
-from relax_gym.messages import Message
+from relax_gym.messages import Message, text_content
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import experts_per_token, request_routes
 from relax_gym.rollout.config import MAX_CONCURRENCY, RolloutLimits
@@ -373,7 +373,7 @@ class _Episode:
 def _text_chars(messages: Sequence[Message]) -> int:
     """The characters of `messages`' text parts: an upper bound, through `LoadedModel.max_token_chars`, on the
     tokens they can take off the budget, known before any tokenizing."""
-    return sum(len(str(p.get("text", ""))) for m in messages for p in m.get("content") or () if p.get("type") == "text")
+    return sum(len(text_content(m)) for m in messages)
 
 
 def _task_text(messages: Sequence[Message]) -> str:
