@@ -39,8 +39,9 @@ request is refused with a 4xx naming its field before it costs the server
 more than its body (a prompt or `max_new_tokens` past the context, media past
 their pixel / duration caps, non-finite or out-of-range numbers, text that is
 not UTF-8); a request that runs past `request_timeout_s` ends with finish_reason
-"abort", one whose client goes away is dropped; past `max_pending` requests
-the answer is 503 with Retry-After; weight updates are checked whole (names,
+"abort", one whose client goes away is dropped; past `max_pending` samples
+the answer is 503 with Retry-After, and a full queue's largest requests yield to smaller ones
+(`queue_share`); weight updates are checked whole (names,
 shapes, dtypes, finite values) before they touch the model.
 """
 
@@ -77,6 +78,7 @@ from relax_gym.engines.base import (
 )
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
+from relax_gym.engines.queue_share import QueueShare
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import (
     MediaBudget,
@@ -369,22 +371,35 @@ async def _dialable(address: str, client: str | None) -> bool:
     return bool(hosts) and all(is_loopback(h) or h == client for h in hosts)
 
 
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None once the client has disconnected (then `work` is cancelled)."""
+async def _unless_gone(request: Request, work: Awaitable[T], displaced: asyncio.Event) -> T | None:
+    """`work`'s result, or None once the client has disconnected or a smaller request displaced this one (then
+    `work` is cancelled)."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    watcher = asyncio.ensure_future(gone())
+    watchers = {asyncio.ensure_future(gone()), asyncio.ensure_future(displaced.wait())}
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         if not task.done():
             task.cancel()  # only asks: the task is not cancelled yet, so its result must not be read
     return task.result() if task in done else None
+
+
+def _queue_full(queue: QueueShare) -> JSONResponse:
+    return error_response(503, f"the server holds {queue.held} samples, its limit (max_pending), in requests no "
+                               "larger than this one: retry later", {"Retry-After": "1"})
+
+
+def _displaced(queue: QueueShare, slots: int) -> JSONResponse:
+    return error_response(503, f"displaced by a smaller request: the queue was full (max_pending {queue.capacity} "
+                               f"samples) and its largest requests yield; this one held {slots}: retry later, or ask "
+                               "for fewer samples (n)", {"Retry-After": "1"})
 
 
 def _finish_reason(
@@ -444,7 +459,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     context = limits.context_length or engine.context_length
     per_token = engine.loaded.max_token_chars
     decoders = asyncio.Semaphore(MEDIA_DECODERS)
-    pending = 0
+    queue = QueueShare(limits.max_pending)
     groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
     joining: set[str] = set()  # names whose /init_weights_update_group is waiting for the other ranks
     model_numel = sum(t.numel() for t in engine.model.state_dict().values())
@@ -479,21 +494,19 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.post("/generate")
     async def generate(body: GenerateIn, request: Request) -> Any:
-        nonlocal pending
-        if pending >= limits.max_pending:
-            return error_response(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
-                          {"Retry-After": "1"})
-        pending += 1
+        hold = queue.take(1)
+        if hold is None:
+            return _queue_full(queue)
         try:
             started = time.perf_counter()
             out = await _unless_gone(
-                request, engine.generate(await to_request(body), timeout_s=limits.request_timeout_s)
+                request, engine.generate(await to_request(body), timeout_s=limits.request_timeout_s), hold.displaced
             )
             if out is None:
                 return Response(status_code=499)  # nobody reads it: the client has gone
             return _answer(engine, body, out, started, limits.request_timeout_s)
         finally:
-            pending -= 1
+            queue.give_back(hold)
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDiskIn) -> JSONResponse:
@@ -661,17 +674,17 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionIn, request: Request) -> Any:
         """OpenAI's chat completions on the served model (`relax_gym.engines.openai_api`)."""
-        nonlocal pending
-        if pending + body.n > limits.max_pending:
-            return error_response(503, f"the server holds {pending} requests, its limit (max_pending): retry later",
-                                  {"Retry-After": "1"})
-        pending += body.n
+        hold = queue.take(body.n)
+        if hold is None:
+            return _queue_full(queue)
         try:
             answer = await _unless_gone(request, chat_completion(
                 engine, engine.loaded, body, tool_format=tool_format, decode_image=images_of_request(), model_name=name,
-                context=context, timeout_s=limits.request_timeout_s))
+                context=context, timeout_s=limits.request_timeout_s), hold.displaced)
         finally:
-            pending -= body.n
+            queue.give_back(hold)
+        if hold.displaced.is_set():
+            return _displaced(queue, body.n)
         if answer is None:
             return Response(status_code=499)
         if body.stream:
@@ -693,7 +706,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             "max_batch_size": engine.max_batch_size,
             "paused": engine.paused,
             "weight_version": str(engine.weight_version),
-            "pending_requests": pending,
+            "pending_requests": queue.held,
             "limits": limits.model_dump(),
         }
 

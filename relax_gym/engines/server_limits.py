@@ -13,7 +13,8 @@ class ServerLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_mb: float = Field(32.0, gt=0, description="largest request body (media are inline base64)")
-    max_pending: int = Field(256, ge=1, description="/generate requests queued or running; more get 503")
+    max_pending: int = Field(256, ge=1, description="samples queued or running (a chat's n counts n); when full, "
+                             "the largest requests yield to smaller ones, else 503")
     request_timeout_s: float = Field(600.0, gt=0, description="a request still generating then ends, 'abort'")
     read_timeout_s: float = Field(30.0, gt=0, description="time for a request's header and body to arrive")
     max_image_pixels: int = Field(12_845_056, ge=1, description="pixels of one image, checked before decoding")

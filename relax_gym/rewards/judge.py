@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 #: answers that no retry changes: the key is wrong or missing
 REFUSED = (401, 403)
+#: answers that no retry changes either: the question itself was refused (too long, malformed)
+UNASKABLE = (400, 413, 422)
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n{reference}\n\n"
@@ -46,7 +48,7 @@ DEFAULT_PATTERN = r"<score>\s*(-?\d+(?:\.\d+)?)\s*</score>"
 
 
 class JudgeRefusedError(RuntimeError):
-    """The judge server refused the key: asking again cannot help."""
+    """The judge refused the key or the question: asking again cannot help."""
 
 
 class JudgeReward:
@@ -134,19 +136,29 @@ class JudgeReward:
         answer = await self._client.post(f"{self.url}/v1/chat/completions", json=body)
         if answer.status_code in REFUSED:
             raise JudgeRefusedError(self._refused(answer))
+        if answer.status_code in UNASKABLE:
+            raise JudgeRefusedError(f"{self.url} refused the question ({answer.status_code}): "
+                                    f"{error_message(answer)[:200]}")
         if answer.status_code >= 400:
             raise RuntimeError(f"{self.url} answered {answer.status_code}: {error_message(answer)[:200]}")
         return str(answer.json()["choices"][0]["message"].get("content") or "")
 
     async def _ask_engine(self, question: str) -> str:
-        from relax_gym.engines.base import GenerateRequest, SamplingParams
+        from relax_gym.engines.base import GenerateRequest, RequestError, SamplingParams
         from relax_gym.messages import message
         from relax_gym.models import render_ids
 
         assert self.engine is not None and self.model is not None  # __init__: the engine path has both
+        context = getattr(self.engine, "context_length", None)
+        if context is not None and len(question) > context * self.model.max_token_chars:  # before tokenizing it
+            raise JudgeRefusedError(f"the judge's question has {len(question)} characters, more than its "
+                                    f"{context}-token context can hold: shorten the prompt, response or reference")
         ids = render_ids(self.model, [message("user", question)])
-        out = await self.engine.generate(GenerateRequest(ids, SamplingParams(temperature=self.temperature,
-                                                                             max_new_tokens=self.max_tokens)))
+        try:
+            out = await self.engine.generate(GenerateRequest(ids, SamplingParams(temperature=self.temperature,
+                                                                                 max_new_tokens=self.max_tokens)))
+        except RequestError as err:  # the question cannot be asked: asking again will not help
+            raise JudgeRefusedError(f"the judge's engine refused the question: {err}") from None
         return self.model.decode(out.output_ids, skip_special_tokens=True)
 
     def probe(self) -> None:

@@ -476,6 +476,24 @@ def test_a_full_queue_answers_503_with_retry_after(patient):
     _until(lambda: _pending(url) == 0, "the abandoned requests are still held")
 
 
+def test_a_chat_asking_for_the_whole_queue_yields_to_a_single_generate(patient):
+    """The review's attack: chats with a large `n` filled `max_pending` and everyone else got 503 until they ended.
+    Now the largest request held yields: it gets 503 naming why, and the one-sample /generate is served."""
+    url, _ = patient
+    answers: list[httpx.Response] = []
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "n": PATIENT.max_pending}
+    hog = threading.Thread(target=lambda: answers.append(post(f"{url}/v1/chat/completions", json=chat, timeout=60)))
+    hog.start()
+    _until(lambda: _pending(url) == PATIENT.max_pending, "the chat did not arrive")
+    served = post(f"{url}/generate", json=SHORT, timeout=30)
+    assert served.status_code == 200 and len(served.json()["output_ids"]) == 2
+    hog.join(60)
+    [displaced] = answers
+    assert displaced.status_code == 503 and displaced.headers["retry-after"] == "1"
+    assert "displaced by a smaller request" in _message(displaced) and "(n)" in _message(displaced)
+    _until(lambda: _pending(url) == 0, "the displaced chat is still held")
+
+
 def test_health_generate_fits_its_probe_into_a_running_batch(url):
     """Continuous batching: a busy engine still generates the probe's token, so it is healthy (as SGLang's
     own `/health_generate` answers while the server makes progress)."""

@@ -120,6 +120,31 @@ def test_a_judge_scores_and_says_when_it_failed(tiny, judge_server):
         silent.close()
 
 
+def test_a_question_too_long_for_the_judge_is_refused_before_tokenizing_and_not_retried(tiny, judge_server):
+    """A policy's answer of megabytes must not cost the judge a tokenizer pass (or three, with retries)."""
+    huge = "x " * 2_000_000
+    tokenized: list[int] = []
+    counted = type(tiny.tokenizer).__call__
+
+    class Counting(type(tiny.tokenizer)):  # type: ignore[misc]
+        def __call__(self, *args, **kwargs):
+            tokenized.append(1)
+            return counted(self, *args, **kwargs)
+
+    engine = EmbeddedEngine(tiny)
+    original = type(tiny.tokenizer)
+    tiny.tokenizer.__class__ = Counting
+    try:
+        result = JudgeReward(engine=engine, model=tiny, retries=2)("What is 2+2?", huge)
+    finally:
+        tiny.tokenizer.__class__ = original
+        asyncio.run(engine.close())
+    assert result.status == "error" and "characters, more than its" in result.detail and not tokenized
+
+    served = JudgeReward(judge_server, api_key=KEY, retries=2)("What is 2+2?", huge)
+    assert served.status == "error" and "refused the question (400)" in served.detail, served.detail
+
+
 def test_judged_qa_rolls_out_with_a_served_judge_and_reports_its_status(tiny, judge_server):
     judge = {"url": judge_server, "api_key": KEY, "max_tokens": 8, "retries": 0}
     report = run_checks("relax/JudgedQA-v0", lambda: make("relax/JudgedQA-v0", judge=judge))
