@@ -65,6 +65,57 @@ def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[to
     return ids, mask
 
 
+class SlackLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers with room to grow.
+
+    `DynamicLayer.update` concatenates, copying the whole cache at every decode step: at 64 rows of SmolLM2-135M
+    that was a third of a step by the 128th token, and it grows with the length. Here a step writes its column in
+    place. Keys or values replaced from outside (`RunningBatch.join`, `keep`) are copied into a fresh buffer at the
+    next update, once."""
+
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.numel() else 0
+        length = held + key_states.shape[-2]
+        if not self._owns_views() or length > _kv(self._key_buffer).shape[-2]:
+            self._key_buffer = _with_room(self.keys, held, key_states, length)
+            self._value_buffer = _with_room(self.values, held, value_states, length)
+        keys, values = _kv(self._key_buffer), _kv(self._value_buffer)
+        keys[:, :, held:length] = key_states
+        values[:, :, held:length] = value_states
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        return self.keys, self.values
+
+    def _owns_views(self) -> bool:
+        """Whether keys and values are still the prefixes of this layer's buffers that `update` left."""
+        return all(buffer is not None and view.data_ptr() == buffer.data_ptr() and view.shape[:2] == buffer.shape[:2]
+                   and view.stride() == buffer.stride()
+                   for view, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
+
+
+def _with_room(old: torch.Tensor, kept: int, new: torch.Tensor, needed: int) -> torch.Tensor:
+    """A buffer shaped like `new` with room for `needed` positions and half as many again (at least 64), its
+    first `kept` positions copied from `old`."""
+    batch, heads, _, dim = new.shape
+    buffer = new.new_empty(batch, heads, needed + max(64, needed // 2), dim)
+    if kept:
+        buffer[:, :, :kept] = old
+    return buffer
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """`model`'s `DynamicCache` with `SlackLayer`s (`supports_continuous_batching` checked its layers are all
+    full-attention `DynamicLayer`s)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [SlackLayer() for _ in cache.layers]
+    return cache
+
+
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
     """The cache's layers, which `supports_continuous_batching` checked are all `DynamicLayer`s."""
     return cast(list[DynamicLayer], cache.layers)
@@ -113,7 +164,7 @@ class RunningBatch:
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         ids, mask = (t.to(self.device) for t in left_padded(list(unique), self.pad_token_id))
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1].float()
         batch = RunningBatch(self.model, self.pad_token_id)
