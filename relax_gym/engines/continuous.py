@@ -80,22 +80,23 @@ class SlackLayer(DynamicLayer):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[-2] if self.keys.numel() else 0
+        old_keys, old_values = _kv(self.keys), _kv(self.values)
+        held = old_keys.shape[-2] if old_keys.numel() else 0
         length = held + key_states.shape[-2]
-        if not self._owns_views() or length > _kv(self._key_buffer).shape[-2]:
-            self._key_buffer = _with_room(self.keys, held, key_states, length)
-            self._value_buffer = _with_room(self.values, held, value_states, length)
+        if not self._owns_views(old_keys, old_values) or length > _kv(self._key_buffer).shape[-2]:
+            self._key_buffer = _with_room(old_keys, held, key_states, length)
+            self._value_buffer = _with_room(old_values, held, value_states, length)
         keys, values = _kv(self._key_buffer), _kv(self._value_buffer)
         keys[:, :, held:length] = key_states
         values[:, :, held:length] = value_states
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
 
-    def _owns_views(self) -> bool:
-        """Whether keys and values are still the prefixes of this layer's buffers that `update` left."""
+    def _owns_views(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether `keys` and `values` are still the prefixes of this layer's buffers that `update` left."""
         return all(buffer is not None and view.data_ptr() == buffer.data_ptr() and view.shape[:2] == buffer.shape[:2]
                    and view.stride() == buffer.stride()
-                   for view, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
+                   for view, buffer in ((keys, self._key_buffer), (values, self._value_buffer)))
 
 
 def _with_room(old: torch.Tensor, kept: int, new: torch.Tensor, needed: int) -> torch.Tensor:

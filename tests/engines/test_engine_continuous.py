@@ -160,3 +160,37 @@ def test_a_failing_worker_answers_every_caller_and_reports_unhealthy(chaotic, mo
 
     results, healthy = asyncio.run(scenario())
     assert all(isinstance(r, EngineError) and "worker failed" in str(r) for r in results) and not healthy
+
+
+def test_the_cache_grows_in_place_and_gives_the_logits_a_concatenating_cache_gives(chaotic, monkeypatch):
+    """`SlackLayer` writes a decode step into room it keeps (no copy of the cache per step), and rows joining and
+    leaving (which replace its tensors) give the same logits as transformers' own `DynamicLayer`."""
+    from transformers.cache_utils import DynamicLayer
+
+    import relax_gym.engines.continuous as continuous
+
+    def run() -> tuple[list[torch.Tensor], list[bool]]:
+        batch, logits = RunningBatch(chaotic.model, 0).prefill([[5, 6, 7], [8, 9, 10, 11, 12]])
+        batch.last = logits.argmax(-1)
+        seen, in_place = [logits], []
+        for step in range(70):  # past the first buffer's room (64 past the prompt) once
+            if step == 10:
+                other, first = RunningBatch(chaotic.model, 0).prefill([[20, 21]])
+                other.last = first.argmax(-1)
+                batch.join(other)
+            if step == 30:
+                batch.keep([0, 2])
+            before = batch.cache.layers[0].keys.data_ptr()
+            logits = batch.step()
+            in_place.append(batch.cache.layers[0].keys.data_ptr() == before)
+            batch.last = logits.argmax(-1)
+            seen.append(logits)
+        return seen, in_place
+
+    slack, in_place = run()
+    assert all(type(layer) is continuous.SlackLayer for layer in continuous.new_cache(chaotic.model).layers)
+    monkeypatch.setattr(continuous.SlackLayer, "update", DynamicLayer.update)
+    plain, _ = run()
+    assert all(torch.equal(a, b) for a, b in zip(slack, plain, strict=True))
+    # copies only where rows joined or left, and where the room ran out
+    assert in_place.count(False) <= 4 and all(in_place[31:60])
