@@ -436,6 +436,8 @@ class EmbeddedEngine:
                 out = encode_media(self.loaded, text, images, audios, videos)
             except VideoError as err:
                 raise RequestError(str(err)) from None
+            except ValueError as err:  # the processor's own checks: placeholders that do not match the media
+                raise RequestError(f"the prompt and its media do not match: {err}") from None
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in TOKEN_KEYS}
 
     def _placeholder_ids(self) -> tuple[int, ...]:

@@ -350,6 +350,23 @@ def _decode_media(body: GenerateIn, limits: ServerLimits, model: str, modalities
         raise BadRequest(str(err)) from None
 
 
+def _check_placeholder_runs(body: GenerateIn, processor: Any) -> None:
+    """Expanded `input_ids` hold one run of a medium's placeholder id per item (a Qwen-VL image is
+    `<|vision_start|>`, its `<|image_pad|>` run, `<|vision_end|>`), checked before anything is decoded. Refused:
+    items with no run, more runs than items. Fewer runs than items (two items expanded side by side) pass here."""
+    if processor is None or body.input_ids is None:
+        return
+    for field, kind in (("image_data", "image"), ("audio_data", "audio"), ("video_data", "video")):
+        token_id = getattr(processor, f"{kind}_token_id", None)
+        if not isinstance(token_id, int):
+            continue
+        items = len(_listed(getattr(body, field)))
+        runs = sum(1 for i, t in enumerate(body.input_ids) if t == token_id and (i == 0 or body.input_ids[i - 1] != t))
+        if runs > items or (items and not runs):
+            raise BadRequest(f"{field}: {items} item(s), and input_ids hold {runs} run(s) of the {kind} placeholder id "
+                             f"{token_id}: one expanded run per item (`relax_gym.models.render_ids` makes them)")
+
+
 def _check_chars(text: str, context: int | None, per_token: int) -> None:
     if context is not None and len(text) > context * per_token:
         raise BadRequest(f"text: {len(text)} characters cannot fit in the model's context of {context} tokens "
@@ -477,6 +494,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         params = body.sampling_params.to_params()
         if body.input_ids is not None:
             _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
+            _check_placeholder_runs(body, engine.loaded.processor)
         else:  # before the media are decoded and the text tokenized
             _check_chars(body.text or "", context, per_token)
         async with decoders:

@@ -11,7 +11,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+
+#: FastAPI's detail for a body it could not parse (JSON nested deeper than the recursion limit, say)
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None, *,
@@ -31,7 +35,13 @@ def field_error(err: Any) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     """A body that fails its schema is a 400 in the one shape, every problem named by field (FastAPI's default is a
-    422 with a list a client has to format)."""
+    422 with a list a client has to format); the framework's own errors (a body it cannot parse, JSON nested past
+    Python's recursion limit, an unknown route or method) take the one shape too, where they were `{"detail"}`."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = "body: not parseable as JSON" if exc.detail == FASTAPI_PARSE_ERROR else str(exc.detail)
+        return error_response(exc.status_code, message, dict(exc.headers or {}))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

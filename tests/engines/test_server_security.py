@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import wave
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,6 +316,31 @@ def test_a_chats_images_have_the_item_cap_and_the_media_budget_of_generate(media
     assert many.status_code == 400 and "more than 32 images in one request (max_media_items)" in _message(many)
     heavy = chat([_data_url(_png(3584, 3584))] * 21)
     assert heavy.status_code == 400 and "max_media_mb" in _message(heavy), heavy.text
+
+
+def test_media_that_miss_the_prompts_placeholders_are_a_400_naming_the_field(media_url):
+    """An image with no `<|image_pad|>` in the text, two placeholders for one image, audio with no `<|AUDIO|>`, or
+    expanded input_ids with no image run were 500s with a traceback each: the processor's and the model's own checks
+    failing inside the server. input_ids are checked before anything is decoded."""
+    image = _data_url(_png(8, 8))
+    sampling = {"max_new_tokens": 2}
+    pad = 1013  # tiny-omni's <|image_pad|> id
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as out:
+        out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000), out.writeframes(b"\0\0" * 1600)
+    audio = "data:audio/wav;base64," + base64.b64encode(wav.getvalue()).decode()
+    for body, said in [
+        ({"text": "hi", "image_data": image}, "the prompt and its media do not match"),
+        ({"text": "<|image_pad|> and <|image_pad|>", "image_data": image}, "the prompt and its media do not match"),
+        ({"text": "hi", "audio_data": audio}, "the prompt and its media do not match"),
+        ({"input_ids": [1, 2, 3], "image_data": image}, "image_data: 1 item(s), and input_ids hold 0 run(s)"),
+        ({"input_ids": [pad, 5, pad], "image_data": image}, "image_data: 1 item(s), and input_ids hold 2 run(s)"),
+    ]:
+        response = post(f"{media_url}/generate", json={**body, "sampling_params": sampling}, timeout=60)
+        assert response.status_code == 400 and said in _message(response), response.text
+        assert "\n" not in _message(response)
+    assert post(f"{media_url}/generate", json={"text": "<|image_pad|>", "image_data": image,
+                                               "sampling_params": sampling}, timeout=60).status_code == 200
 
 
 def test_an_images_data_url_is_not_counted_as_text_against_the_context(media_url):

@@ -143,6 +143,18 @@ def test_the_guard_and_the_validation_handler_answer_in_the_one_shape() -> None:
     assert broken.status_code == 400 and error_message(broken).startswith("body: not valid JSON")
 
 
+def test_the_frameworks_own_errors_take_the_one_shape_too() -> None:
+    """JSON nested past Python's recursion limit fails in FastAPI's parser, before validation: it was a bare
+    `{"detail"}` naming nothing; an unknown route or method was too."""
+    client = TestClient(_app(max_body_bytes=1 << 20))
+    auth = {**bearer("k"), "content-type": "application/json"}
+    deep = client.post("/echo", content=b'{"n": ' + b"[" * 5000 + b"]" * 5000 + b"}", headers=auth)
+    assert deep.status_code == 400 and error_body(deep) == {"message": "body: not parseable as JSON", "code": 400}
+    assert error_body(client.get("/nowhere", headers=auth)) == {"message": "Not Found", "code": 404}
+    wrong = client.get("/echo", headers=auth)
+    assert wrong.status_code == 405 and error_message(wrong) == "Method Not Allowed" and "allow" in wrong.headers
+
+
 def test_the_error_reader_takes_every_shape_a_server_answers_with() -> None:
     def answer(status: int, **kwargs: object) -> httpx.Response:
         return httpx.Response(status, request=httpx.Request("GET", "http://x"), **kwargs)  # type: ignore[arg-type]
