@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["RunningBatch", "left_padded", "supports_continuous_batching"]
+__all__ = ["RunningBatch", "left_padded", "shared_prefix", "supports_continuous_batching"]
 
 
 @functools.cache
@@ -52,6 +52,24 @@ def supports_continuous_batching(model: PreTrainedModel, has_processor: bool) ->
         return False
     cache = DynamicCache(config=model.config)
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+#: a prefix shared by all of a prefill's prompts runs once when that saves at least this many prompt tokens: below
+#: it, the extra forward pass costs more than it saves
+MIN_PREFIX_TOKENS_SAVED = 32
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """The length of the prefix all `prompts` share, leaving each at least one token of its own (its last token's
+    logits come from the pass over the rest)."""
+    if not prompts:
+        return 0
+    limit = min(map(len, prompts)) - 1
+    first = prompts[0]
+    for i in range(limit):
+        if any(p[i] != first[i] for p in prompts[1:]):
+            return i
+    return max(limit, 0)
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +179,25 @@ class RunningBatch:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[RunningBatch, torch.Tensor]:
         """A new batch of `prompts` and each row's next-token logits [B, V] in fp32; its `last` is for the
-        caller to set once it has sampled. Identical prompts run once and share their cache rows."""
+        caller to set once it has sampled. Identical prompts run once and share their cache rows, and a prefix
+        all the prompts share (a chat template's system turn) runs once for them all."""
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        ids, mask = (t.to(self.device) for t in left_padded(list(unique), self.pad_token_id))
+        distinct = list(unique)
         cache = new_cache(self.model)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1].float()
+        shared = shared_prefix(distinct)
+        if (len(distinct) - 1) * shared < MIN_PREFIX_TOKENS_SAVED:
+            shared = 0
+        if shared:  # the prefix once, its cache rows repeated for every prompt; padding sits between it and the rest
+            head = torch.tensor([distinct[0][:shared]], device=self.device)
+            self.model(input_ids=head, position_ids=torch.arange(shared, device=self.device)[None], use_cache=True,
+                       logits_to_keep=1, **{self._cache_argument: cache})
+            cache.batch_repeat_interleave(len(distinct))
+        ids, tail_mask = (t.to(self.device) for t in left_padded([p[shared:] for p in distinct], self.pad_token_id))
+        mask = F.pad(tail_mask, (shared, 0), value=1)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=shared + (tail_mask.cumsum(-1) - 1).clamp(
+                            min=0), use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1]
+        logits = logits.float()
         batch = RunningBatch(self.model, self.pad_token_id)
         batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
         if len(unique) < len(prompts):  # shared prompts: each row takes its prompt's cache row and logits

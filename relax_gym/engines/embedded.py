@@ -643,8 +643,7 @@ class EmbeddedEngine:
                 for job in jobs:
                     self._run([job], version)
                 return
-            rid = jobs[0].request.rid
-            jobs[0].resolve(EngineError(f"generation failed for request {rid!r}: {err!r}"))
+            jobs[0].resolve(_failed_alone(jobs[0], err))
             return
         for job, output in zip(jobs, outputs, strict=True):
             self._answer(job, output)
@@ -693,7 +692,7 @@ class EmbeddedEngine:
                 for job in jobs:
                     self._admit(batch, rows, [job])
                 return
-            jobs[0].resolve(EngineError(f"generation failed for request {jobs[0].request.rid!r}: {err!r}"))
+            jobs[0].resolve(_failed_alone(jobs[0], err))
             return
         if going:  # rows that ended on their first token never join
             joining.keep(going)
@@ -822,6 +821,14 @@ class EmbeddedEngine:
             value = concat_media(key, [row[key] for row in mm_inputs if key in row])
             inputs[key] = value.to(self.model.dtype) if value.is_floating_point() else value
         return {k: v.to(self.device) for k, v in inputs.items()}
+
+
+def _failed_alone(job: _Job, err: Exception) -> EngineError:
+    """The error of a request that failed in a batch of its own. A ValueError there is the request's: the model's
+    or the sampler's check of its inputs (media that miss their placeholders, a number past a C type), so it is a
+    `RequestError` (a 400 from `relax-gym serve`)."""
+    kind = RequestError if isinstance(err, ValueError) else EngineError
+    return kind(f"generation failed for request {job.request.rid!r}: {err!r}")
 
 
 def _weight_problem(value: Any, target: torch.Tensor) -> str | None:

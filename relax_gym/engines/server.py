@@ -350,10 +350,11 @@ def _decode_media(body: GenerateIn, limits: ServerLimits, model: str, modalities
         raise BadRequest(str(err)) from None
 
 
-def _check_placeholder_runs(body: GenerateIn, processor: Any) -> None:
-    """Expanded `input_ids` hold one run of a medium's placeholder id per item (a Qwen-VL image is
-    `<|vision_start|>`, its `<|image_pad|>` run, `<|vision_end|>`), checked before anything is decoded. Refused:
-    items with no run, more runs than items. Fewer runs than items (two items expanded side by side) pass here."""
+def _check_placeholders(body: GenerateIn, processor: Any) -> None:
+    """Expanded `input_ids` hold a medium's placeholder id when, and only when, the request sends that medium
+    (checked after the media decoded: their own errors come first). How many runs an item expands to is the
+    family's (a Qwen-VL video is one run per frame group), so a count that is off is the model's own check to
+    find (a 400 too)."""
     if processor is None or body.input_ids is None:
         return
     for field, kind in (("image_data", "image"), ("audio_data", "audio"), ("video_data", "video")):
@@ -361,10 +362,10 @@ def _check_placeholder_runs(body: GenerateIn, processor: Any) -> None:
         if not isinstance(token_id, int):
             continue
         items = len(_listed(getattr(body, field)))
-        runs = sum(1 for i, t in enumerate(body.input_ids) if t == token_id and (i == 0 or body.input_ids[i - 1] != t))
-        if runs > items or (items and not runs):
-            raise BadRequest(f"{field}: {items} item(s), and input_ids hold {runs} run(s) of the {kind} placeholder id "
-                             f"{token_id}: one expanded run per item (`relax_gym.models.render_ids` makes them)")
+        held = token_id in body.input_ids
+        if bool(items) != held:
+            raise BadRequest(f"{field}: {items} item(s), and input_ids hold {'some' if held else 'no'} {kind} "
+                             f"placeholder ids ({token_id}): send the ids `relax_gym.models.render_ids` expands")
 
 
 def _check_chars(text: str, context: int | None, per_token: int) -> None:
@@ -494,7 +495,6 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         params = body.sampling_params.to_params()
         if body.input_ids is not None:
             _check_length(len(body.input_ids), params.max_new_tokens, context, "input_ids")
-            _check_placeholder_runs(body, engine.loaded.processor)
         else:  # before the media are decoded and the text tokenized
             _check_chars(body.text or "", context, per_token)
         async with decoders:
@@ -502,6 +502,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
                                                              engine.loaded.modalities)
         routes = body.return_routed_experts
         if body.input_ids is not None:
+            _check_placeholders(body, engine.loaded.processor)
             return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes,
                                    videos=videos)
         assert body.text is not None  # GenerateIn's validator: exactly one of text and input_ids

@@ -194,3 +194,36 @@ def test_the_cache_grows_in_place_and_gives_the_logits_a_concatenating_cache_giv
     assert all(torch.equal(a, b) for a, b in zip(slack, plain, strict=True))
     # copies only where rows joined or left, and where the room ran out
     assert in_place.count(False) <= 4 and all(in_place[31:60])
+
+
+def test_a_prefix_all_prompts_share_is_prefilled_once_with_the_logits_each_gets_alone(chaotic):
+    """A chat template's system turn begins every prompt: it runs once, its cache rows repeated, and each prompt's
+    logits and greedy continuation are what it gets alone (up to the rounding of a different batch shape)."""
+    from relax_gym.engines.continuous import MIN_PREFIX_TOKENS_SAVED, shared_prefix
+
+    system = [30 + k % 50 for k in range(24)]
+    prompts = [system + [60 + i] * (1 + i) for i in range(4)] + [[*system, 61, 62]]
+    assert shared_prefix(prompts) == 24 and (len(prompts) - 1) * 24 >= MIN_PREFIX_TOKENS_SAVED
+    assert shared_prefix([[1, 2], [1, 2]]) == 1 and shared_prefix([[1], [2, 3]]) == 0 and shared_prefix([]) == 0
+    calls: list[int] = []
+    hook = chaotic.model.register_forward_pre_hook(lambda _, args, kwargs: calls.append(kwargs["input_ids"].numel()),
+                                                   with_kwargs=True)
+    try:
+        batch, logits = RunningBatch(chaotic.model, 0).prefill(prompts)
+    finally:
+        hook.remove()
+    assert calls == [24, len(prompts) * 4]  # the prefix once, then each prompt's own tokens left-padded to 4
+    batch.last = logits.argmax(-1)
+    together = [batch.last.tolist()]
+    for _ in range(6):
+        batch.last = batch.step().argmax(-1)
+        together.append(batch.last.tolist())
+    for i, prompt in enumerate(prompts):
+        alone, first = RunningBatch(chaotic.model, 0).prefill([prompt])
+        assert torch.allclose(first[0], logits[i], atol=1e-4)
+        alone.last = first.argmax(-1)
+        tokens = [alone.last.item()]
+        for _ in range(6):
+            alone.last = alone.step().argmax(-1)
+            tokens.append(alone.last.item())
+        assert tokens == [step[i] for step in together]

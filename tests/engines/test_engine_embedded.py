@@ -94,14 +94,15 @@ def chaotic() -> LoadedModel:
 
 @pytest.fixture
 def prefills() -> Iterator[Callable[[torch.nn.Module], list[int]]]:
-    """Records the batch size of every prefill forward (one per batch) of a model."""
+    """Records the batch size of every prefill forward (one per batch) of a model; the pass over a prefix all of a
+    batch's prompts share (`RunningBatch.prefill`, no attention mask) is not a batch."""
     seen: list[int] = []
     handles = []
 
     def watch(model: torch.nn.Module) -> list[int]:
         def hook(module, args, kwargs):
             ids = kwargs.get("input_ids")
-            if ids is not None and ids.shape[1] > 1:
+            if ids is not None and ids.shape[1] > 1 and kwargs.get("attention_mask") is not None:
                 seen.append(ids.shape[0])
 
         handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
