@@ -1,13 +1,18 @@
 """A real pretrained model's engine and trainer speed, each against plain transformers on the same work, in one run.
 
-- engine: for each N of `--requests`, N chat-templated 2-digit sums (the SmolLM2 example's task), `--new-tokens`
-  sampled each (ending early at end of turn), through the embedded engine (continuous batching) against one
-  batched HF `generate` of the same prompts; generated tokens/s and the ratio.
+- engine: for each task of `--tasks` and each N of `--requests`, N chat-templated prompts (`sums`: 2-digit sums,
+  the SmolLM2 example's task, answers of a few tokens; `stories`: a short story each, answers that run long),
+  `--new-tokens` sampled each (ending early at end of turn), through the embedded engine (continuous batching)
+  against one batched HF `generate` of the same prompts, and against the engine as it was before its KV cache grew
+  in place and before shared prefixes were prefilled once (`--before`); generated tokens/s and the ratios.
+- decode step: one step of N rows at a context of `--context` tokens, against two floors measured in the same run:
+  reading the weights once (their bytes over this machine's copy bandwidth) and their multiply-adds at the best
+  fp32 matmul rate measured here (a 2048-square matmul).
 - trainer: one optimizer step on `--train-seqs` sequences of `--train-len` tokens (the last quarter trained):
   `TorchBackend.train_step` (GRPO loss) against the plain step a user writes (HF forward with labels, backward,
   AdamW); tokens/s and the ratio, the median of `--repeats` steps after one warm-up each.
 
-    python benchmarks/real_model.py --model ~/.cache/relax_gym/models/SmolLM2-135M-Instruct
+    python benchmarks/real_model.py --model ~/.cache/relax_gym/models/SmolLM2-135M-Instruct --before
     python benchmarks/real_model.py --model tiny --requests 4 --new-tokens 8 --train-seqs 2 --train-len 32
 """
 
@@ -15,17 +20,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
+import math
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 from gpu_path import engine_tokens_per_s, train_samples
+from transformers.cache_utils import DynamicLayer
 
 from relax_gym import messages as M
-from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams
+from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams, continuous
 from relax_gym.models import LoadedModel, load_model, render_ids
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
 from relax_gym.trainer.backends.torch_backend import TorchBackend
@@ -38,6 +47,72 @@ def sum_prompts(loaded: LoadedModel, n: int, seed: int = 0) -> list[list[int]]:
     return [render_ids(loaded, [M.message("user", f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Reply "
                                                   "with just the integer.")], add_generation_prompt=True)
             for _ in range(n)]
+
+
+STORY_SUBJECTS = ("a lighthouse keeper", "a lost robot", "two rival bakers", "a river that runs uphill",
+                  "a cat who audits taxes", "the last train of the night", "a map with a missing town",
+                  "a violin that remembers")
+
+
+def story_prompts(loaded: LoadedModel, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat-templated prompts asking for a short story: answers that run to hundreds of tokens."""
+    rng = random.Random(seed)
+    return [render_ids(loaded, [M.message("user", f"Write a short story about {rng.choice(STORY_SUBJECTS)} in "
+                                                  f"{rng.randint(3, 9)} paragraphs.")], add_generation_prompt=True)
+            for _ in range(n)]
+
+
+TASKS = {"sums": sum_prompts, "stories": story_prompts}
+
+
+@contextlib.contextmanager
+def engine_before() -> Iterator[None]:
+    """The embedded engine as it was before this benchmark's levers: a KV cache that concatenates at every step
+    (transformers' own `DynamicLayer.update`) and no shared-prefix prefill."""
+    saved = continuous.SlackLayer.update, continuous.MIN_PREFIX_TOKENS_SAVED
+    continuous.SlackLayer.update = DynamicLayer.update  # type: ignore[method-assign]
+    continuous.MIN_PREFIX_TOKENS_SAVED = 1 << 62
+    try:
+        yield
+    finally:
+        continuous.SlackLayer.update, continuous.MIN_PREFIX_TOKENS_SAVED = saved  # type: ignore[method-assign]
+
+
+def copy_gb_per_s(megabytes: int = 512) -> float:
+    """This machine's memory bandwidth as torch sees it: bytes read and written by a large copy, best of 5."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best / 1e9
+
+
+def matmul_gflops(size: int = 2048) -> float:
+    """The best fp32 matmul rate here: a size-square matmul, best of 5."""
+    a = torch.randn(size, size)
+    a @ a
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def decode_step_s(loaded: LoadedModel, rows: int, context: int, steps: int = 10) -> float:
+    """One decode step of `rows` rows at about `context` tokens of KV cache, median of `steps`."""
+    prompt = [loaded.tokenizer.eos_token_id or 0] * context
+    batch, logits = continuous.RunningBatch(loaded.model, 0).prefill([[i % 7 + 100, *prompt] for i in range(rows)])
+    batch.last = logits.argmax(-1)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        batch.last = batch.step().argmax(-1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_tokens: int, stop: list[int]) -> float:
@@ -99,8 +174,12 @@ def plain_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int) -> fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a name or folder load_model takes")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["sums"])
     parser.add_argument("--requests", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--before", action="store_true", help="also the engine before its in-place KV cache and "
+                                                              "shared-prefix prefill")
+    parser.add_argument("--context", type=int, default=128, help="KV cache length of the decode-step timing")
     parser.add_argument("--train-seqs", type=int, default=8)
     parser.add_argument("--train-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -110,24 +189,45 @@ def main() -> None:
     loaded = load_model(args.model)
     params = sum(p.numel() for p in loaded.model.parameters())
     print(f"{loaded.name}: {params / 1e6:.1f}M parameters, {args.threads} threads\n")
-    print("| part | work | relax-gym | plain transformers | ratio |\n|---|---|---:|---:|---:|")
+    before_columns = (" before | now / before |", "---:|---:|") if args.before else ("", "")
+    print(f"| part | work | relax-gym | plain transformers | ratio |{before_columns[0]}\n|---|---|---:|---:|---:|"
+          f"{before_columns[1]}")
     engine = EmbeddedEngine(replace(loaded, model=copy.deepcopy(loaded.model)), max_batch_size=max(args.requests))
     stop = sorted(engine.eos_token_ids)
     try:
-        for n in args.requests:
-            ids = sum_prompts(loaded, n)
-            sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-            requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
-            ours = asyncio.run(engine_tokens_per_s(engine, requests))
-            theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
-            print(f"| engine | N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} tokens/s | {theirs:,.1f} "
-                  f"tokens/s (HF generate) | {ours / theirs:.2f}x |", flush=True)
+        for task in args.tasks:
+            for n in args.requests:
+                ids = TASKS[task](loaded, n)
+                sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+                requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
+                ours = asyncio.run(engine_tokens_per_s(engine, requests))
+                theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
+                row = (f"| engine | {task}, N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} tokens/s | "
+                       f"{theirs:,.1f} tokens/s (HF generate) | {ours / theirs:.2f}x |")
+                if args.before:
+                    with engine_before():
+                        before = asyncio.run(engine_tokens_per_s(engine, requests))
+                    row += f" {before:,.1f} tokens/s | {ours / before:.2f}x |"
+                print(row, flush=True)
     finally:
         asyncio.run(engine.close())
+    weights_gb = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values()) / 1e9
+    bandwidth, gflops = copy_gb_per_s(), matmul_gflops()
+    flops_per_row = 2 * sum(m.weight.numel() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
+    print(f"\ndecode step at a {args.context}-token cache; floors: weights {weights_gb:.2f} GB read once at "
+          f"{bandwidth:.0f} GB/s (copy), multiply-adds at {gflops:.0f} GFLOP/s (fp32 matmul)\n")
+    print("| rows | step | read-once floor | compute floor | step / larger floor |\n|---:|---:|---:|---:|---:|")
+    for n in args.requests:
+        step = decode_step_s(loaded, n, args.context)
+        read, compute = weights_gb / bandwidth, n * flops_per_row / gflops / 1e9
+        print(f"| {n} | {step * 1e3:.1f} ms | {read * 1e3:.1f} ms | {compute * 1e3:.1f} ms | "
+              f"{step / max(read, compute):.2f}x |", flush=True)
+    print()
     vocab = loaded.model.get_input_embeddings().num_embeddings
     samples = train_samples(args.train_seqs, args.train_len, vocab)
     tokens = args.train_seqs * args.train_len
     ours_s, theirs_s = backend_step_s(loaded, samples, args.repeats), plain_step_s(loaded, samples, args.repeats)
+    print("| part | work | relax-gym | plain transformers | ratio |\n|---|---|---:|---:|---:|")
     print(f"| trainer | {args.train_seqs} x {args.train_len} tokens, one AdamW step | {tokens / ours_s:,.0f} tokens/s "
           f"| {tokens / theirs_s:,.0f} tokens/s (forward with labels, backward, AdamW) | {theirs_s / ours_s:.2f}x |")
 
