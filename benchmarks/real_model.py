@@ -211,7 +211,8 @@ def main() -> None:
                 print(row, flush=True)
     finally:
         asyncio.run(engine.close())
-    weights_gb = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values()) / 1e9
+    unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}  # tied embeddings are one tensor
+    weights_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
     bandwidth, gflops = copy_gb_per_s(), matmul_gflops()
     flops_per_row = 2 * sum(m.weight.numel() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
     print(f"\ndecode step at a {args.context}-token cache; floors: weights {weights_gb:.2f} GB read once at "

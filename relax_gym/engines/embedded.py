@@ -66,6 +66,7 @@ from relax_gym.engines.base import (
     SamplingParams,
 )
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
+from relax_gym.engines.decode_attention import use_decode_attention
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, concat_media, encode_media
 from relax_gym.models.inputs import takes_token_types
@@ -77,6 +78,13 @@ Batching = Literal["continuous", "static"]
 
 #: requests decoded together by default (`rollout.engine_max_batch_size` reads it here)
 MAX_BATCH_SIZE = 64
+
+
+def engine_dtype(name: str) -> torch.dtype | None:
+    """`rollout.engine_dtype` as the engine takes it: None for "auto", else the torch dtype it names."""
+    if name not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"engine_dtype must be 'auto', 'float32' or 'bfloat16', got {name!r}")
+    return None if name == "auto" else getattr(torch, name)
 
 
 def engine_device(name: str) -> torch.device:
@@ -269,9 +277,12 @@ class EmbeddedEngine:
         batching: Batching = "continuous",
         placement: ThreadPlacement | None = None,
         device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """`device` (None: where the model is) moves `loaded.model` there, in bfloat16 on a GPU as SGLang serves
-        bf16 checkpoints; the engine owns the model from then on."""
+        bf16 checkpoints; `dtype` (None: that default, else the model's own) casts it. The engine owns the model
+        from then on: it moves and casts it in place. In bfloat16 on a CPU, continuous batching decodes with
+        `decode_attention` (torch's fused kernel is slow there)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batching not in ("continuous", "static"):
@@ -279,7 +290,8 @@ class EmbeddedEngine:
         self.loaded = loaded
         if device is not None:  # `to` is a no-op where the model already is; "cuda" is never equal to "cuda:0"
             device = torch.device(device)
-            dtype = torch.bfloat16 if device.type == "cuda" else None
+            dtype = dtype or (torch.bfloat16 if device.type == "cuda" else None)
+        if device is not None or dtype is not None:
             loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps-typed `to`
         self.model = loaded.model.eval()
         self.max_batch_size = max_batch_size
@@ -302,6 +314,8 @@ class EmbeddedEngine:
         self.continuous = batching == "continuous" and supports_continuous_batching(
             self.model, loaded.processor is not None
         )
+        if self.continuous and self.device.type == "cpu" and self.model.dtype == torch.bfloat16:
+            use_decode_attention(self.model)
         self._version = 0
         self._paused = False
         self._aborts = 0  # `pause(abort=True)` calls so far

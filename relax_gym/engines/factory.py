@@ -6,7 +6,9 @@ section satisfies), so building an engine needs nothing from the trainer package
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_gym.engines.base import Engine
@@ -46,6 +48,9 @@ class EngineSettings(Protocol):
     @property
     def engine_device(self) -> str: ...
 
+    @property
+    def engine_dtype(self) -> str: ...  # "auto", "float32" or "bfloat16"
+
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
                 placement: ThreadPlacement | None = None) -> Engine:
@@ -65,8 +70,13 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
 
         return SGLangEngine(settings.engine_url, outage_timeout_s=settings.engine_outage_timeout_s,
                             max_connections=None)
-    from relax_gym.engines.embedded import EmbeddedEngine, engine_device
+    from relax_gym.engines.embedded import EmbeddedEngine, engine_device, engine_dtype
 
+    device = engine_device(settings.engine_device)
+    dtype = engine_dtype(settings.engine_dtype)
+    if dtype is not None and dtype != loaded.model.dtype and device.type == "cpu":
+        # the engine casts its model in place, and the trainer copies `loaded` after it: a copy keeps the trainer's
+        # weights in their own precision
+        loaded = replace(loaded, model=copy.deepcopy(loaded.model))
     return EmbeddedEngine(loaded, max_batch_size=settings.engine_max_batch_size, seed=seed,
-                          batching=settings.engine_batching, placement=placement,
-                          device=engine_device(settings.engine_device))
+                          batching=settings.engine_batching, placement=placement, device=device, dtype=dtype)

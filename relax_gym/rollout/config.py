@@ -87,6 +87,13 @@ class RolloutConfig(StrictSection):
     engine_device: str = Field("auto", description="where the embedded engine runs: \"auto\" (the first GPU if "
                                "torch sees one, else the CPU), \"cpu\", \"cuda\", \"cuda:N\"; on a GPU it serves "
                                "in bfloat16")
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="the embedded engine's weights: \"auto\" (bfloat16 on a GPU, the model's own on a CPU), "
+        "\"float32\" or \"bfloat16\". bfloat16 on a CPU with AVX-512 BF16 decodes about twice as fast and "
+        "costs a logprob gap to the float32 trainer (benchmarks/RESULTS.md); keep "
+        "algorithm.recompute_old_logprobs on (and TIS) with it",
+    )
     weight_sync: Literal["auto", "tensor", "disk"] = Field(
         "auto",
         description="how trained weights reach engine servers (`engine: sglang`): \"tensor\" (the state dict through "

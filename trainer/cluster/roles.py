@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
-from relax_gym.engines.embedded import EmbeddedEngine, engine_device
+from relax_gym.engines.embedded import EmbeddedEngine, engine_device, engine_dtype
 from relax_gym.engines.router import EngineRouter
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.env.registration import resolve_env_id
@@ -67,7 +67,8 @@ class EngineService:
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(load_policy(cfg), max_batch_size=cfg.rollout.engine_max_batch_size,
                                      seed=cfg.seed, batching=cfg.rollout.engine_batching,
-                                     device=engine_device(cfg.rollout.engine_device))
+                                     device=engine_device(cfg.rollout.engine_device),
+                                     dtype=engine_dtype(cfg.rollout.engine_dtype))
         self.progress = Progress()
         self.fault = dict(fault or {})
         settle_heap()

@@ -1,0 +1,53 @@
+"""Attention for a decode step on a CPU in bfloat16: two matmuls where torch's fused kernel is slow.
+
+At one query token per row, torch's CPU flash-attention kernel in bfloat16 took 1.95 ms a layer for 64 rows of
+SmolLM2-135M (half of the whole step, three times its float32 time), where the two small matmuls below take a
+fraction of that. Registered with transformers' `AttentionInterface` as `relax_gym_decode`, with sdpa's mask
+builder: a prefill (more than one query token) goes to transformers' own sdpa function unchanged.
+
+Only the embedded engine's bfloat16 CPU path uses it (`EmbeddedEngine`, `rollout.engine_dtype`); in float32 the
+fused kernel is as fast, and the trainer keeps its own attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "relax_gym_decode"
+
+
+def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: query [B, H, Q, D], key and value [B, Hkv, T, D]; returns [B, Q, H, D].
+
+    For Q = 1 the query heads are grouped by the key head they share (query head h reads key head h // (H / Hkv),
+    as transformers' `repeat_kv` pairs them) and attend with a matmul, a softmax in float32 and a matmul; a boolean
+    mask marks what may be attended, a float one is added."""
+    if query.shape[2] != 1 or dropout or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    grouped = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        mask = attention_mask[..., -1:, : key.shape[-2]]
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(weights, value).reshape(rows, 1, heads, dim), None
+
+
+def use_decode_attention(model: torch.nn.Module) -> bool:
+    """Switches `model` from sdpa to `decode_attention`; False (and nothing changed) for any other attention."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(NAME, decode_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    model.set_attn_implementation(NAME)  # type: ignore[operator]
+    return True
