@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
-from gpu_path import engine_tokens_per_s, train_samples
+from gpu_path import engine_tokens_per_s, generate, train_samples
 from transformers.cache_utils import DynamicLayer
 
 from relax_gym import messages as M
@@ -76,6 +76,24 @@ def engine_before() -> Iterator[None]:
         yield
     finally:
         continuous.SlackLayer.update, continuous.MIN_PREFIX_TOKENS_SAVED = saved  # type: ignore[method-assign]
+
+
+def logprob_gap(loaded: LoadedModel, engine: EmbeddedEngine, requests: list[GenerateRequest]) -> tuple[float, float]:
+    """Mean and max |engine logprob - float32 model logprob| over the tokens `engine` samples for `requests`, the
+    model's from one unpadded forward of each prompt and answer (what the trainer recomputes)."""
+    outputs = asyncio.run(generate(engine, requests))
+    gaps = []
+    with torch.no_grad():
+        for request, out in zip(requests, outputs, strict=True):
+            if not out.output_ids:
+                continue
+            ids = torch.tensor([request.input_ids + out.output_ids])
+            logits = loaded.model(input_ids=ids).logits[0, len(request.input_ids) - 1:-1].float()
+            model = logits.div(request.sampling.temperature).log_softmax(-1).gather(1, ids[0, len(request.input_ids):,
+                                                                                         None])[:, 0]
+            gaps.append((model - torch.tensor(out.logprobs)).abs())
+    every = torch.cat(gaps)
+    return every.mean().item(), every.max().item()
 
 
 def copy_gb_per_s(megabytes: int = 512) -> float:
@@ -179,6 +197,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--before", action="store_true", help="also the engine before its in-place KV cache and "
                                                               "shared-prefix prefill")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                        help="the engine's weights (rollout.engine_dtype)")
     parser.add_argument("--context", type=int, default=128, help="KV cache length of the decode-step timing")
     parser.add_argument("--train-seqs", type=int, default=8)
     parser.add_argument("--train-len", type=int, default=128)
@@ -192,25 +212,35 @@ def main() -> None:
     before_columns = (" before | now / before |", "---:|---:|") if args.before else ("", "")
     print(f"| part | work | relax-gym | plain transformers | ratio |{before_columns[0]}\n|---|---|---:|---:|---:|"
           f"{before_columns[1]}")
-    engine = EmbeddedEngine(replace(loaded, model=copy.deepcopy(loaded.model)), max_batch_size=max(args.requests))
-    stop = sorted(engine.eos_token_ids)
+    engines = {dtype: EmbeddedEngine(replace(loaded, model=copy.deepcopy(loaded.model)), dtype=getattr(torch, dtype),
+                                     max_batch_size=max(args.requests)) for dtype in args.dtypes}
+    stop = sorted(next(iter(engines.values())).eos_token_ids)
+    gaps: dict[str, tuple[float, float]] = {}
     try:
         for task in args.tasks:
             for n in args.requests:
                 ids = TASKS[task](loaded, n)
                 sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
                 requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
-                ours = asyncio.run(engine_tokens_per_s(engine, requests))
                 theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
-                row = (f"| engine | {task}, N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} tokens/s | "
-                       f"{theirs:,.1f} tokens/s (HF generate) | {ours / theirs:.2f}x |")
-                if args.before:
-                    with engine_before():
-                        before = asyncio.run(engine_tokens_per_s(engine, requests))
-                    row += f" {before:,.1f} tokens/s | {ours / before:.2f}x |"
-                print(row, flush=True)
+                for dtype, engine in engines.items():
+                    ours = asyncio.run(engine_tokens_per_s(engine, requests))
+                    row = (f"| engine, {dtype} | {task}, N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} "
+                           f"tokens/s | {theirs:,.1f} tokens/s (HF generate, float32) | {ours / theirs:.2f}x |")
+                    if args.before and dtype == "float32":
+                        with engine_before():
+                            before = asyncio.run(engine_tokens_per_s(engine, requests))
+                        row += f" {before:,.1f} tokens/s | {ours / before:.2f}x |"
+                    print(row, flush=True)
+                    if dtype not in gaps:
+                        gaps[dtype] = logprob_gap(loaded, engine, requests[:8])
     finally:
-        asyncio.run(engine.close())
+        for engine in engines.values():
+            asyncio.run(engine.close())
+    print("\nlogprob gap to the float32 model (the trainer's), teacher-forced over each engine's own samples:\n")
+    print("| engine dtype | mean abs gap | max abs gap |\n|---|---:|---:|")
+    for dtype, (mean, worst) in gaps.items():
+        print(f"| {dtype} | {mean:.2e} | {worst:.2e} |")
     unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}  # tied embeddings are one tensor
     weights_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
     bandwidth, gflops = copy_gb_per_s(), matmul_gflops()
