@@ -238,7 +238,7 @@ def main() -> None:
         for engine in engines.values():
             asyncio.run(engine.close())
     print("\nlogprob gap to the float32 model (the trainer's), teacher-forced over each engine's own samples:\n")
-    print("| engine dtype | mean abs gap | max abs gap |\n|---|---:|---:|")
+    print("| weights | mean abs gap | max abs gap |\n|---|---:|---:|")
     for dtype, (mean, worst) in gaps.items():
         print(f"| {dtype} | {mean:.2e} | {worst:.2e} |")
     unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}  # tied embeddings are one tensor
