@@ -134,8 +134,10 @@ def decode_step_s(loaded: LoadedModel, rows: int, context: int, steps: int = 10)
 
 
 def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_tokens: int, stop: list[int]) -> float:
-    """One left-padded batch through `model.generate`, sampled at temperature 1; tokens up to each row's stop."""
+    """One left-padded batch through `model.generate`, sampled at temperature 1 (seeded: a row that rambles to the
+    token limit keeps every row decoding, so an unseeded run's rate varies twofold); tokens up to each row's stop."""
     model, pad = loaded.model, loaded.tokenizer.pad_token_id or 0
+    torch.manual_seed(0)
     width = max(map(len, ids))
     batch = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
