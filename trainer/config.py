@@ -138,6 +138,9 @@ class TrainerSection(StrictSection):
                              "clipped to it")
     micro_batch_tokens: int = Field(4096, ge=16, description="padded tokens (samples x longest sample) per "
                                     "micro-batch of a step; a longer sample gets a micro-batch of its own")
+    gradient_checkpointing: bool = Field(False, description="keep only each layer's input for the backward and run "
+                                         "its forward again there (backend: torch): activations a few percent of "
+                                         "their size, for about a quarter more compute (benchmarks/RESULTS.md)")
     checkpoint_every: int = Field(20, ge=1, description="a checkpoint every this many steps (and after the last)")
     keep_checkpoints: int = Field(3, ge=1, description="step folders kept under checkpoints/ (the newest ones); "
                                   "each holds the weights and the optimizer state, about 12 bytes a parameter in "

@@ -325,6 +325,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert _max_diff(plain[1], checkpointed[1]) <= 1e-6
 
 
+def test_the_config_turns_gradient_checkpointing_on():
+    from relax_gym.trainer.config import load_config
+    from relax_gym.trainer.policy import make_backend
+
+    cfg = load_config(None, ["model=tiny", "envs=[{id: relax/Arithmetic-v0}]", "trainer.gradient_checkpointing=true"])
+    assert make_backend(cfg, load_model("tiny")).model.is_activation_checkpointing
+
+
 def test_bf16_autocast_keeps_fp32_master_weights():
     """The GPU default, exercised on CPU autocast: weights stay fp32, logprobs near the fp32 ones."""
     samples = _samples("tiny", 2)

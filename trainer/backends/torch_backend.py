@@ -31,6 +31,7 @@ from transformers import set_seed
 from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inputs
 from relax_gym.models.loading import save_model
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
+from relax_gym.native_heap import release_free_memory
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     attach_old_logprobs,
@@ -383,6 +384,7 @@ class TorchBackend:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        release_free_memory()  # the step's activations and gradients, in pieces the next step may not fit
         return {
             **summed,
             "loss": loss_sum,
