@@ -88,8 +88,8 @@ class SlackLayer(DynamicLayer):
 
     `DynamicLayer.update` concatenates, copying the whole cache at every decode step: at 64 rows of SmolLM2-135M
     and a 60-token cache that was 16 % of a step (torch profiler), and it grows with the length. Here a step
-    writes its column in place. Keys or values replaced from outside (`RunningBatch.join`, `keep`) are copied into a fresh buffer at the
-    next update, once."""
+    writes its column in place. Keys or values replaced from outside (`RunningBatch.join`, `keep`) are copied
+    into a fresh buffer at the next update, once."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
