@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,11 +24,14 @@ BASELINE = "import torch, transformers, relax_gym.trainer.loop"
 
 
 def peak_rss_gb(command: list[str]) -> float:
-    """Runs `command` to its end in a fresh process; its maximum RSS in GB (it must be the only child so far)."""
-    done = subprocess.run(command, capture_output=True, text=True)
+    """Runs `command` to its end in a child of a fresh interpreter; the child's maximum RSS in GB (RUSAGE_CHILDREN
+    keeps the largest child so far, so each measurement gets a parent of its own)."""
+    probe = [sys.executable, "-c", "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)", *command]
+    done = subprocess.run(probe, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6  # Linux: kilobytes
+    return int(done.stdout.split()[-1]) / 1e6  # Linux: kilobytes
 
 
 def parameters(config: str) -> int:
@@ -56,16 +58,8 @@ def main() -> None:
     print("| variant | peak RSS | peak / (state + runtime) | training s/step (median) |\n|---|---:|---:|---:|")
     for variant in args.variants:
         with tempfile.TemporaryDirectory() as run_dir:
-            command = [sys.executable, "-m", "relax_gym.cli", "train", args.config, f"run_dir={run_dir}",
-                       f"trainer.total_steps={args.steps}", *variant.split()]
-            # a fresh interpreter per variant: RUSAGE_CHILDREN keeps the largest child so far, so measure each
-            # in its own child of a child
-            probe = [sys.executable, "-c", "import resource, subprocess, sys; subprocess.run(sys.argv[1:], "
-                     "check=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)", *command]
-            done = subprocess.run(probe, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-            peak = int(done.stdout.split()[-1]) / 1e6
+            peak = peak_rss_gb([sys.executable, "-m", "relax_gym.cli", "train", args.config, f"run_dir={run_dir}",
+                                f"trainer.total_steps={args.steps}", *variant.split()])
             rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
             train_s = statistics.median(r["train_s"] for r in rows if "train_s" in r)
         print(f"| {variant or 'as configured'} | {peak:.2f} GB | {peak / (state + runtime):.2f}x | {train_s:.2f} |",
