@@ -10,7 +10,9 @@
   fp32 matmul rate measured here (a 2048-square matmul).
 - trainer: one optimizer step on `--train-seqs` sequences of `--train-len` tokens (the last quarter trained):
   `TorchBackend.train_step` (GRPO loss) against the plain step a user writes (HF forward with labels, backward,
-  AdamW); tokens/s and the ratio, the median of `--repeats` steps after one warm-up each.
+  AdamW); tokens/s and the ratio, the median of `--repeats` steps after one warm-up each. With `--train-groups`
+  G > 1 the sequences come in groups of G sharing their untrained three quarters, as a GRPO group shares its
+  prompt, and the backend also runs without prefix sharing (`share_prefixes=False`).
 
     python benchmarks/real_model.py --model ~/.cache/relax_gym/models/SmolLM2-135M-Instruct --before
     python benchmarks/real_model.py --model tiny --requests 4 --new-tokens 8 --train-seqs 2 --train-len 32
@@ -155,9 +157,20 @@ def hf_generate_tokens_per_s(loaded: LoadedModel, ids: list[list[int]], new_toke
     return generated / elapsed
 
 
-def backend_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int) -> float:
+def grouped(samples: list[Sample], size: int) -> list[Sample]:
+    """`samples` in groups of `size` that share their untrained tokens (the first sample's), as a GRPO group's
+    samples share their prompt."""
+    out = []
+    for i, sample in enumerate(samples):
+        first = samples[i - i % size]
+        prompt = sample.loss_mask.index(1)
+        out.append(replace(sample, token_ids=first.token_ids[:prompt] + sample.token_ids[prompt:]))
+    return out
+
+
+def backend_step_s(loaded: LoadedModel, samples: list[Sample], repeats: int, share_prefixes: bool = True) -> float:
     backend = TorchBackend(replace(loaded, model=copy.deepcopy(loaded.model)), lr=1e-6, device="cpu",
-                           micro_batch_tokens=sum(len(s.token_ids) for s in samples))
+                           micro_batch_tokens=sum(len(s.token_ids) for s in samples), share_prefixes=share_prefixes)
     loss_fn = make_loss_fn(AlgorithmConfig())
     backend.train_step(samples, loss_fn)  # warm-up
     times = []
@@ -204,6 +217,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="KV cache length of the decode-step timing")
     parser.add_argument("--train-seqs", type=int, default=8)
     parser.add_argument("--train-len", type=int, default=128)
+    parser.add_argument("--train-groups", type=int, nargs="+", default=[1, 4], metavar="G",
+                        help="trainer steps whose samples come in groups of G sharing their untrained tokens "
+                             "(1: no two samples share a token)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -257,12 +273,19 @@ def main() -> None:
               f"{step / max(read, compute):.2f}x |", flush=True)
     print()
     vocab = loaded.model.get_input_embeddings().num_embeddings
-    samples = train_samples(args.train_seqs, args.train_len, vocab)
     tokens = args.train_seqs * args.train_len
-    ours_s, theirs_s = backend_step_s(loaded, samples, args.repeats), plain_step_s(loaded, samples, args.repeats)
     print("| part | work | relax-gym | plain transformers | ratio |\n|---|---|---:|---:|---:|")
-    print(f"| trainer | {args.train_seqs} x {args.train_len} tokens, one AdamW step | {tokens / ours_s:,.0f} tokens/s "
-          f"| {tokens / theirs_s:,.0f} tokens/s (forward with labels, backward, AdamW) | {theirs_s / ours_s:.2f}x |")
+    for size in args.train_groups:
+        samples = grouped(train_samples(args.train_seqs, args.train_len, vocab), size)
+        ours_s, theirs_s = backend_step_s(loaded, samples, args.repeats), plain_step_s(loaded, samples, args.repeats)
+        work = f"{args.train_seqs} x {args.train_len} tokens" + (f", groups of {size} sharing their untrained "
+                                                                 f"{3 * args.train_len // 4}" if size > 1 else "")
+        print(f"| trainer | {work}, one AdamW step | {tokens / ours_s:,.0f} tokens/s | {tokens / theirs_s:,.0f} "
+              f"tokens/s (forward with labels, backward, AdamW) | {theirs_s / ours_s:.2f}x |", flush=True)
+        if size > 1:
+            plain_s = backend_step_s(loaded, samples, args.repeats, share_prefixes=False)
+            print(f"| trainer without prefix sharing | the same | {tokens / plain_s:,.0f} tokens/s | | "
+                  f"{theirs_s / plain_s:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,14 @@ from relax_gym.trainer.backends.base import (
     set_rng_states,
 )
 from relax_gym.trainer.backends.hf_folder import load_hf_weights
+from relax_gym.trainer.backends.prefix_forward import (
+    Run,
+    forward_shared,
+    plan_runs,
+    row_offsets,
+    shares_prefixes,
+    to_full_width,
+)
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import safe_load, safe_save
 
@@ -211,6 +219,8 @@ class TorchBackend:
     `seed` seeds python, numpy and torch for the process (as `transformers.set_seed`).
     `optimizer` is public so a learning-rate schedule can be attached to it.
     `replay_routes` (an MoE model): every forward's routers take its samples' `routed_experts` (R3).
+    `share_prefixes`: a training forward runs a prefix its samples share (a group's prompt) once, where the model
+    allows it (`prefix_forward`); False keeps the plain forward, to compare.
     """
 
     def __init__(
@@ -228,6 +238,7 @@ class TorchBackend:
         seed: int = 0,
         gradient_checkpointing: bool = False,
         replay_routes: bool = False,
+        share_prefixes: bool = True,
     ) -> None:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
@@ -260,6 +271,11 @@ class TorchBackend:
         self._routers = routers(self.model) if replay_routes else []
         if replay_routes and not self._routers:
             raise ValueError(f"routing replay: model {loaded.name!r} has no mixture-of-experts routers")
+        #: whether a training forward runs a prefix its samples share once (`prefix_forward`): text-only models
+        #: with full-attention caches, and not under activation checkpointing, which turns the cache off
+        self._shares_prefixes = (share_prefixes and self._keeps_logits and loaded.processor is None
+                                 and not gradient_checkpointing and not self._routers
+                                 and shares_prefixes(self.model))
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -300,6 +316,10 @@ class TorchBackend:
         `trained_only`: exact at the trained tokens (loss_mask 1), 0 elsewhere, when the model's forward takes
         `logits_to_keep` (most HF causal LMs and Qwen-VL do); every position otherwise.
         """
+        if trained_only and self._shares_prefixes and not any(s.mm_inputs for s in samples):
+            runs = plan_runs([s.token_ids for s in samples], [s.loss_mask for s in samples])
+            if runs is not None:
+                return self._forward_shared(samples, runs, temperature, with_entropy)
         inputs = self._model_inputs(samples)
         columns = None
         if trained_only and self._keeps_logits:
@@ -311,6 +331,22 @@ class TorchBackend:
                                            columns=columns)
         padding = inputs["attention_mask"] == 0
         return logprobs.masked_fill(padding, 0.0), None if entropy is None else entropy.masked_fill(padding, 0.0)
+
+    def _forward_shared(
+        self, samples: Sequence[Sample], runs: list[Run], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward(trained_only=True)` with each run's shared prefix run once (`prefix_forward`)."""
+        offsets = row_offsets(runs)
+        suffix_masks = [s.loss_mask[o:] for s, o in zip(samples, offsets, strict=True)]
+        columns = trained_columns(suffix_masks, max(map(len, suffix_masks))).to(self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            logits, suffix_ids = forward_shared(self.model, runs, [s.token_ids for s in samples], columns,
+                                                self.loaded.tokenizer.pad_token_id or 0)
+        logprobs, entropy = token_logprobs(logits, suffix_ids, temperature, with_entropy=with_entropy,
+                                           columns=columns)
+        lengths = [len(s.token_ids) for s in samples]
+        return (to_full_width(logprobs, offsets, lengths),
+                None if entropy is None else to_full_width(entropy, offsets, lengths))
 
     def _replaying(self, samples: Sequence[Sample]) -> AbstractContextManager[None]:
         """The block in which the routers take `samples`' routed experts (R3), as the engine routed them; tokens
