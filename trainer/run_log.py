@@ -36,6 +36,9 @@ class RunLog:
         self.total_steps = total_steps
         self.start = time.perf_counter()
         self.last_step_time = self.start
+        #: this process's CPU seconds (all its threads) at the last step's row: `cpu_s` over `step_time_s` is how
+        #: many cores the step kept busy, and on C cores no overlap of its phases can beat cpu_s / C
+        self.last_cpu = time.process_time()
         self._last_plain_line = self.start
         self._metrics = self.metrics_path.open("a", encoding="utf-8")
         self._trajs = self.trajectories_path.open("a", encoding="utf-8") if self.trajectories_path else None
@@ -62,7 +65,7 @@ class RunLog:
     def step(self, step: int, groups: list[Group], samples: list[Sample], train: dict[str, float],
              timings: dict[str, float], counters: dict[str, Any]) -> dict[str, Any]:
         """One line per optimizer step; `counters` are run totals (filtered / stale-dropped groups, ...)."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         trajs = [t for g in groups for t in g]
         per_env: dict[str, list[float]] = defaultdict(list)
         for t in trajs:
@@ -85,11 +88,12 @@ class RunLog:
             "trained_seq_len_mean": fmean(len(s.token_ids) for s in samples) if samples else 0.0,
             "tokens_per_s": generated / max(now - self.last_step_time, 1e-9),
             "step_time_s": now - self.last_step_time,
+            "cpu_s": round(cpu - self.last_cpu, 3),
             **counters,
             **{k: round(v, 6) for k, v in timings.items()},
             **{f"train/{k}": v for k, v in train.items()},
         }
-        self.last_step_time = now
+        self.last_step_time, self.last_cpu = now, cpu
         self._write(record)
         if self._trajs is not None:
             # without routed experts: ~1 KB a token on a large MoE model, 40x the rest of the record, and only the
