@@ -23,9 +23,11 @@ Per seed, by default (`--cores-each 1`) the two runs go at the same time, each i
 to its own core (`os.sched_setaffinity`, one torch thread, OMP/MKL threads 1), so machine noise hits both.
 relax-gym runs in sync mode (max_staleness 0, no logprob recompute); TRL runs with HF `generate` (its
 default, no vLLM on a CPU). With `--cores-each 2` each side gets both cores (and 2 torch threads) in turn:
-relax-gym alone, then TRL alone, since the machine has only two cores; in the quickstart setting relax-gym then
-runs async with max_staleness 1, as the quickstart does, so its rollout and training can overlap on the two cores
-(smollm2 stays sync, as its config file is).
+relax-gym alone, then TRL alone, since the machine has only two cores; relax-gym then runs async with
+max_staleness 1 in both settings, as their config files do, so its rollout and training overlap on
+the two cores (quickstart: the engine's thread on one core, the trainer's own process on the other; smollm2: the
+config's layout, both roles on both cores), and a sync run on the same placement follows it, for async's efficiency
+and the reward async must match.
 Reported per framework and seed: mean s/step after the first few steps (the wall clock between consecutive
 steps), the training wall time (first step's start to last step's end), wall time from the start to a rolling
 (10-step window) train reward of 0.3 and 0.4, the ratios relax-gym / TRL, and relax-gym's phase split from its
@@ -114,10 +116,13 @@ class Setting:
     max_total_tokens: int
     eval_tasks: int  # held-out tasks at the end by default (0: no eval)
     async_on_two_cores: bool  # with --cores-each 2: relax-gym async with max_staleness 1 (else sync)
+    #: async: the engine's thread pinned to one core and the trainer in a process of its own on the other (the
+    #: tiny model, whose steps are Python-bound); else the config's layout, both roles on both cores
+    pin_roles: bool
     floors: bool  # measure the phase floors after relax-gym's run
 
     @classmethod
-    def from_config(cls, name: str, config: Path, eval_tasks: int, async_on_two_cores: bool,
+    def from_config(cls, name: str, config: Path, eval_tasks: int, async_on_two_cores: bool, pin_roles: bool,
                     floors: bool) -> Setting:
         """The setting a one-env relax-gym config file trains, read from the file."""
         import yaml
@@ -127,17 +132,17 @@ class Setting:
         return cls(name, config, Path(cfg["model"]).expanduser(), env["id"], env.get("kwargs", {}),
                    rollout["group_size"], rollout["groups_per_step"], float(rollout["temperature"]),
                    float(cfg["trainer"]["lr"]), rollout["max_new_tokens"], rollout["max_total_tokens"], eval_tasks,
-                   async_on_two_cores, floors)
+                   async_on_two_cores, pin_roles, floors)
 
 
 SETTINGS = {s.name: s for s in (
     Setting("quickstart", CONFIGS / "quickstart.yaml", ROOT / "examples" / "checkpoints" / "tiny-arithmetic",
             "relax/Arithmetic-v0", {"digits": 1, "n_terms": 2, "ops": "+"}, group_size=8, groups_per_step=16,
             temperature=0.5, lr=3e-4, max_new_tokens=4, max_total_tokens=128, eval_tasks=0,
-            async_on_two_cores=True, floors=True),
+            async_on_two_cores=True, pin_roles=True, floors=True),
     # no floors: on SmolLM2 they take minutes, and benchmarks/real_model.py holds its engine and trainer to plain HF
-    Setting.from_config("smollm2", CONFIGS / "smollm2_arithmetic.yaml", eval_tasks=64, async_on_two_cores=False,
-                        floors=False),
+    Setting.from_config("smollm2", CONFIGS / "smollm2_arithmetic.yaml", eval_tasks=64, async_on_two_cores=True,
+                        pin_roles=False, floors=False),
 )}
 
 
@@ -514,8 +519,9 @@ def main() -> None:
                  "1 torch thread each; relax-gym sync")
     else:
         setup = (f"one after the other (2 cores on this machine), each alone on cores {set(args.cores)} with 2 torch "
-                 "threads; " + ("relax-gym async, max_staleness 1, engine thread on one core and the trainer's own "
-                                "process on the other" if asynchronous else "relax-gym sync"))
+                 "threads; " + ("relax-gym sync" if not asynchronous else "relax-gym async, max_staleness 1, " + (
+                     "engine thread on one core and the trainer's own process on the other" if setting.pin_roles
+                     else "both roles on both cores (the config's layout)")))
     print(f"vs_trl, setting {setting.name}: {setup}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {
@@ -523,13 +529,12 @@ def main() -> None:
         "seeds": seeds, "argv": sys.argv[1:], "cores_each": args.cores_each, "relax_mode": mode, "setup": setup,
         "eval_tasks": eval_tasks, "runs": {},
     }
-    # two cores, async: relax-gym's engine thread gets one and its trainer thread the other (`cpu:`), so the async
-    # step overlaps rollout and training instead of both spreading over both cores
-    # and the trainer runs in a process of its own (`trainer.own_process`), so its Python does not wait on the
-    # rollout's for the GIL
-    roles = () if not asynchronous else (f"cpu.engine.cores=[{args.cores[0]}]", "cpu.engine.threads=1",
-                                         f"cpu.trainer.cores=[{args.cores[1]}]", "cpu.trainer.threads=1",
-                                         "trainer.own_process=true")
+    # two cores, async, the tiny model: relax-gym's engine thread gets one and its trainer the other (`cpu:`), so
+    # the async step overlaps rollout and training instead of both spreading over both cores, and the trainer runs
+    # in a process of its own (`trainer.own_process`), so its Python does not wait on the rollout's for the GIL
+    pinned = (f"cpu.engine.cores=[{args.cores[0]}]", "cpu.engine.threads=1", f"cpu.trainer.cores=[{args.cores[1]}]",
+              "cpu.trainer.threads=1", "trainer.own_process=true")
+    roles = pinned if asynchronous and setting.pin_roles else ()
     overrides = (*roles, *args.relax_overrides)
     relax_extra = ("--mode", mode, *(("--relax-overrides", *overrides) if overrides else ()))
     trl_extra = ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()

@@ -29,7 +29,9 @@ class Sample:
     #: processor outputs for this sample's images / audio (pixel_values, image_grid_thw, input_features, ...)
     mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     #: filled by the loop before the update when the algorithm needs them: [T] tensors (aligned as above), kept
-    #: as the backend's `logprobs` gave them
+    #: as the backend's `logprobs` gave them; old logprobs a backend takes itself (`train_step`'s
+    #: `recompute_old_logprobs`) may be exact only at trained tokens, where the losses read them (the torch
+    #: backend computes only those, and may leave the rest 0)
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None

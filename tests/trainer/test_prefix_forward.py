@@ -65,9 +65,10 @@ def _samples(vocab: int) -> list[Sample]:
     rng = random.Random(2)
     rows, masks = [], []
     for _ in range(3):
-        group = _group(rng, vocab, 4, rng.randint(12, 30))
+        prompt = rng.randint(12, 30)
+        group = _group(rng, vocab, 4, prompt)
         rows += group
-        masks += _masks(group, len(group[0]) - 2)  # prompt length: the shortest answer is 2 tokens
+        masks += _masks(group, len(SYSTEM) + prompt)
     turn = SYSTEM + [rng.randrange(3, vocab) for _ in range(30)]
     rows.append(turn)
     masks.append([0] * 25 + [1] * 5 + [0] * 10 + [1] * 10)
@@ -116,3 +117,17 @@ def test_media_models_activation_checkpointing_and_share_prefixes_false_keep_the
     assert not TorchBackend(load_model("tiny"), gradient_checkpointing=True)._shares_prefixes
     assert not TorchBackend(load_model("tiny"), share_prefixes=False)._shares_prefixes
     assert TorchBackend(load_model("tiny"))._shares_prefixes
+
+
+def test_old_logprobs_a_step_takes_itself_are_the_trained_tokens_logprobs():
+    loaded = FAMILIES["llama3"].loaded()
+    backend = TorchBackend(copy.deepcopy(loaded), micro_batch_tokens=1 << 20)
+    samples = _samples(loaded.model.config.vocab_size)
+    before = backend.logprobs(samples, temperature=0.8)  # every position, the plain forward, no sharing
+    metrics = backend.train_step(samples, _pg_loss, temperature=0.8, recompute_old_logprobs=True)
+    assert metrics["old_logprobs_s"] > 0
+    for sample, reference in zip(samples, before, strict=True):
+        mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        assert sample.old_logprobs is not None
+        # only the trained tokens' (the loss reads them under the mask); elsewhere they may be 0
+        torch.testing.assert_close(sample.old_logprobs[mask], reference.logprobs[mask], rtol=0, atol=1e-5)

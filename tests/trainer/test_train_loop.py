@@ -56,6 +56,7 @@ def test_a_short_run_leaves_metrics_checkpoints_tensorboard_and_a_plot(tmp_path)
     assert all(r["trained_samples"] > 0 for r in rows)
     assert any(r["train/grad_norm"] > 0 for r in rows)
     assert {"wait_rollout_s", "train_s", "weight_sync_s", "staleness", "tokens_per_s"} <= set(rows[0])
+    assert all(r["cpu_s"] > 0 for r in rows)  # the process's CPU seconds over the step
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
     assert [e["step"] for e in evals] == [0, 3]  # the starting model, then every 3 steps
     assert (run / "reward.png").stat().st_size > 0

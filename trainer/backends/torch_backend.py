@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -34,7 +35,6 @@ from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.native_heap import release_free_memory
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
-    attach_old_logprobs,
     build_micro_batch,
     check_samples,
     rng_states,
@@ -384,6 +384,21 @@ class TorchBackend:
                 out.append(LogprobOutput(logprobs[row, :n].cpu(), None if entropy is None else entropy[row, :n].cpu()))
         return out
 
+    @torch.no_grad()
+    def _attach_old_logprobs(self, samples: list[Sample], temperature: float) -> dict[str, float]:
+        """`attach_old_logprobs` by the training forward: exact at the trained tokens, where the loss reads them,
+        and possibly 0 elsewhere, so only trained positions meet the vocabulary and a shared prefix runs once."""
+        start = time.perf_counter()
+        check_samples(samples, temperature)
+        self.model.eval()
+        for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
+            batch = [samples[i] for i in group]
+            with self._replaying(batch):
+                logprobs, _ = self._forward(batch, temperature, with_entropy=False, trained_only=True)
+            for row, sample in enumerate(batch):
+                sample.old_logprobs = logprobs[row, : len(sample.token_ids)].clone()
+        return {"old_logprobs_s": time.perf_counter() - start}
+
     def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
                    recompute_old_logprobs: bool = False) -> dict[str, float]:
         """Forward/backward over micro-batches (token budget), clip, one AdamW step; version += 1.
@@ -393,7 +408,7 @@ class TorchBackend:
         weights; it still counts as a step (`skipped` = 1) so versions stay in
         lockstep with the loop's step count.
         """
-        old = attach_old_logprobs(self, samples, temperature) if recompute_old_logprobs else {}
+        old = self._attach_old_logprobs(samples, temperature) if recompute_old_logprobs else {}
         check_samples(samples, temperature)
         step_tokens = sum(sum(s.loss_mask) for s in samples)
         step_sequences = sum(1 for s in samples if any(s.loss_mask))
