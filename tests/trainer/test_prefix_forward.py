@@ -10,9 +10,10 @@ import pytest
 import torch
 from support.families import FAMILIES
 
+from relax_gym.engines.continuous import supports_continuous_batching
 from relax_gym.models import load_model
 from relax_gym.trainer.backends import MicroBatch, Sample, TorchBackend
-from relax_gym.trainer.backends.prefix_forward import MIN_TOKENS_SAVED, Run, plan_runs, shares_prefixes
+from relax_gym.trainer.backends.prefix_forward import MIN_TOKENS_SAVED, Run, plan_runs
 
 SYSTEM = list(range(3, 23))  # 20 tokens every sample begins with, as a chat template's system turn
 
@@ -109,7 +110,8 @@ def test_the_shared_prefix_forward_gives_the_plain_forwards_logprobs_and_gradien
 
 @pytest.mark.parametrize("family", ["gemma", "gpt-oss"])
 def test_models_with_sliding_window_layers_keep_the_plain_forward(family):
-    assert not shares_prefixes(FAMILIES[family].loaded().model)
+    assert not supports_continuous_batching(FAMILIES[family].loaded().model, has_processor=False)
+    assert not TorchBackend(copy.deepcopy(FAMILIES[family].loaded()))._shares_prefixes
 
 
 def test_media_models_activation_checkpointing_and_share_prefixes_false_keep_the_plain_forward():

@@ -1,21 +1,21 @@
 """A training forward that runs each prefix a micro-batch's samples share once: a GRPO group's prompt.
 
 A group's samples all begin with the same prompt, and on a chat model the prompt is most of each sample (SmolLM2
-on 2-digit sums: ~75 prompt tokens against ~20 generated). The plain forward runs every sample's prompt through
+on 2-digit sums: 47 prompt tokens against about 15 generated). The plain forward runs every sample's prompt through
 every layer, and its backward too. Here each run of consecutive samples that share a prefix runs that prefix once
-with a KV cache, and the samples' own tokens (their suffixes) run on top of that cache, indexed row by row; the
-cache's rows are views into the one prefix pass, so the backward sums their gradients into it. The logits of the
+with a KV cache, and the samples' own tokens (their suffixes) run on top of that cache, whose rows are gathered
+from the one prefix pass (`index_select`), so the backward sums their gradients into it. The logits of the
 trained tokens are those of the plain forward up to float summation order (the attention over a cached prefix is
 the same sum), so the loss and its gradients are too (tests/trainer/test_prefix_forward.py).
 
 The prefix stops one token before a run's first trained token, so every trained token's logits come from the
-suffix pass, and it never holds a sample's last token. Only models whose cache layers are all full attention,
-text only, take this path (`shares_prefixes`); the backend keeps the plain forward for the rest, for a micro-batch
-where sharing saves fewer than `MIN_TOKENS_SAVED` tokens, and under activation checkpointing (which turns the
-forward's cache off).
+suffix pass, and it never holds a sample's last token. Only the models the engine's continuous batching takes
+(`supports_continuous_batching`: text only, explicit positions, cache layers all full attention) take this path;
+the backend keeps the plain forward for the rest, for a micro-batch where sharing saves fewer than
+`MIN_TOKENS_SAVED` tokens, and under activation checkpointing (which turns the forward's cache off).
 
-No library does this for a training forward: transformers' caches serve generation, and TRL, veRL and slime run
-every sample's prompt.
+Written by hand: transformers' caches serve generation, not a training forward that backpropagates through a
+shared prefix, and TRL's GRPOTrainer runs every sample's prompt.
 """
 
 from __future__ import annotations
@@ -43,18 +43,6 @@ class Run:
     start: int
     stop: int
     prefix: int
-
-
-def shares_prefixes(model: PreTrainedModel) -> bool:
-    """Whether `model`'s forward can run a suffix over a cache of a prefix: explicit positions, a cache argument,
-    and cache layers that are all full attention (a sliding window would drop part of the prefix)."""
-    import inspect
-
-    params = inspect.signature(type(model).forward).parameters
-    if cache_argument(model) is None or not {"position_ids", "logits_to_keep"} <= set(params):
-        return False
-    layers = DynamicCache(config=model.config).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -133,7 +121,7 @@ def forward_shared(
     run_of = torch.tensor([i for i, r in enumerate(runs) for _ in range(r.start, r.stop)], device=device)
     offsets = row_offsets(runs)
     name = cache_argument(model)
-    assert name is not None  # shares_prefixes checked it
+    assert name is not None  # supports_continuous_batching checked it
     cache = DynamicCache(config=model.config)
     prefix_mask = None
     if any(prefixes):

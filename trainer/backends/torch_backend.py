@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import set_seed
 
+from relax_gym.engines.continuous import supports_continuous_batching
 from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inputs
 from relax_gym.models.loading import save_model
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
@@ -46,7 +47,6 @@ from relax_gym.trainer.backends.prefix_forward import (
     forward_shared,
     plan_runs,
     row_offsets,
-    shares_prefixes,
     to_full_width,
 )
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
@@ -275,7 +275,7 @@ class TorchBackend:
         #: with full-attention caches, and not under activation checkpointing, which turns the cache off
         self._shares_prefixes = (share_prefixes and self._keeps_logits and loaded.processor is None
                                  and not gradient_checkpointing and not self._routers
-                                 and shares_prefixes(self.model))
+                                 and supports_continuous_batching(self.model, has_processor=False))
 
     # --- forward ------------------------------------------------------------------------------
 
