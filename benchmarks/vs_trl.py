@@ -28,6 +28,8 @@ max_staleness 1 in both settings, as their config files do, so its rollout and t
 the two cores (quickstart: the engine's thread on one core, the trainer's own process on the other; smollm2: the
 config's layout, both roles on both cores), and a sync run on the same placement follows it, for async's efficiency
 and the reward async must match.
+With `--cli` relax-gym goes through `relax-gym train`'s entry point with the config file's own checkpoints and
+evals (every 100 steps for the quickstart) instead of the in-process `Trainer` with both off: the path users run.
 Before each run of `--cores-each 2` the kernel's page cache is dropped where the benchmark may (root), since a
 full one slowed the later runs.
 Reported per framework and seed: mean s/step after the first few steps (the wall clock between consecutive
@@ -68,6 +70,7 @@ Rerun:
     .venv/bin/python benchmarks/vs_trl.py --seeds 0 1 --steps 200 --cores-each 2   # both cores, in turn
     .venv/bin/python benchmarks/vs_trl.py --setting smollm2 --seeds 0 --steps 20 --cores-each 2   # SmolLM2
     .venv/bin/python benchmarks/vs_trl.py --setting smollm2 --quick --eval-tasks 4   # does it work
+    .venv/bin/python benchmarks/vs_trl.py --seeds 0 --steps 400 --cli   # relax-gym through `relax-gym train`
     .venv/bin/python benchmarks/vs_trl.py --relax-overrides rollout.max_total_tokens=96 ...  # extra config
     .venv/bin/python benchmarks/vs_trl.py --trl-python /path/to/venv/bin/python ...
 
@@ -171,13 +174,16 @@ def run_dir_of(rows: Path) -> Path:
 
 
 def run_relax(
-    setting: Setting, seed: int, steps: int, out: Path, mode: str = "sync", overrides: tuple[str, ...] = ()
+    setting: Setting, seed: int, steps: int, out: Path, mode: str = "sync", overrides: tuple[str, ...] = (),
+    cli: bool = False,
 ) -> None:
     """relax-gym's in-process trainer (sync, or async with staleness 1); rows are its metrics rows, timed by their
     wall clock. Its final checkpoint stays in its run folder (for the held-out eval). Ends with the phase floors
-    (`measure_floors`, if the setting has them), written next to the rows."""
+    (`measure_floors`, if the setting has them), written next to the rows. `cli`: through `relax-gym train`'s own
+    entry point instead, with the config file's checkpoints and evals, as users run it."""
     import asyncio
 
+    from relax_gym.cli import main as relax_gym_main
     from relax_gym.trainer.config import load_config
     from relax_gym.trainer.loop import Trainer
 
@@ -189,20 +195,24 @@ def run_relax(
         shutil.rmtree(run_dir)
     kwargs = ", ".join(f"{k}: {v!r}" for k, v in s.env_kwargs.items())
     # the setting's own values are no-ops on a config file they were read from; eval_every=0: no eval during the
-    # run (not even at its start); checkpoint_every: only the final checkpoint
-    cfg = load_config(s.config, [
+    # run (not even at its start); checkpoint_every: only the final checkpoint (both left to the file with `cli`)
+    given = [
         f"run_dir={run_dir}", f"model={s.model}", f"seed={seed}",
         f"envs=[{{id: {s.env_id}, kwargs: {{{kwargs}}}}}]",
         f"rollout.group_size={s.group_size}", f"rollout.groups_per_step={s.groups_per_step}",
         f"rollout.temperature={s.temperature}", f"rollout.max_new_tokens={s.max_new_tokens}", "rollout.max_turns=1",
         f"rollout.max_total_tokens={s.max_total_tokens}",
         f"trainer.lr={s.lr}", f"trainer.mode={mode}", f"trainer.max_staleness={0 if mode == 'sync' else 1}",
-        f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.checkpoint_every=1000000",
+        f"trainer.total_steps={steps}", *(() if cli else ("trainer.eval_every=0", "trainer.checkpoint_every=1000000")),
         "algorithm.recompute_old_logprobs=false", *overrides,
-    ])
-    trainer = Trainer(cfg)
-    asyncio.run(trainer.run())
-    del trainer
+    ]
+    if cli:
+        if relax_gym_main(["train", str(s.config), *given]) != 0:
+            sys.exit("relax-gym train failed")
+    else:
+        trainer = Trainer(load_config(s.config, given))
+        asyncio.run(trainer.run())
+        del trainer
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in metrics if r.get("type") == "train"]
     rows, last = [], 0.0
@@ -499,6 +509,9 @@ def main() -> None:
     parser.add_argument("--cores-each", type=int, choices=[1, 2], default=1,
                         help="1: both sides at once, one core each (relax-gym sync); 2: each side alone on both "
                              "cores, one after the other (quickstart: relax-gym async, max_staleness 1)")
+    parser.add_argument("--cli", action="store_true",
+                        help="relax-gym through `relax-gym train` as users run it, the config file's checkpoints and "
+                             "evals on (default: the in-process Trainer, no evals, only the final checkpoint)")
     parser.add_argument("--relax-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra relax-gym config overrides, applied after the benchmark's own")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -514,7 +527,7 @@ def main() -> None:
     if args.worker:
         pin(set(args.pin), len(args.pin))
         if args.worker == "relax":
-            run_relax(setting, args.seed, args.steps, args.out, args.mode, tuple(args.relax_overrides))
+            run_relax(setting, args.seed, args.steps, args.out, args.mode, tuple(args.relax_overrides), args.cli)
         else:
             run_trl(setting, args.seed, args.steps, args.out, args.trl_gradient_checkpointing)
         return
@@ -550,7 +563,8 @@ def main() -> None:
               "cpu.trainer.threads=1", "trainer.own_process=true")
     roles = pinned if asynchronous and setting.pin_roles else ()
     overrides = (*roles, *args.relax_overrides)
-    relax_extra = ("--mode", mode, *(("--relax-overrides", *overrides) if overrides else ()))
+    relax_extra = ("--mode", mode, *(("--cli",) if args.cli else ()),
+                   *(("--relax-overrides", *overrides) if overrides else ()))
     trl_extra = ("--trl-gradient-checkpointing",) if args.trl_gradient_checkpointing else ()
     for seed in seeds:
         if together:

@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_the_real_model_benchmark_runs_at_the_tiny_model():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_model.py"), "--model", "tiny", "--requests",
-                           "3", "--new-tokens", "4", "--train-seqs", "2", "--train-len", "16", "--repeats", "1"],
+                           "3", "--new-tokens", "4", "--train-seqs", "4", "--train-len", "16", "--repeats", "1",
+                           "--train-groups", "1", "2"],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| engine", "| trainer"))]
-    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows), done.stdout
+    # the engine; the trainer on unrelated sequences, on groups sharing their prompts, and there without sharing
+    assert len(rows) == 4 and all(line.rstrip().endswith("x |") for line in rows), done.stdout

@@ -62,7 +62,8 @@ def _pg_loss(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
 
 
 def _samples(vocab: int) -> list[Sample]:
-    """Three GRPO groups of one turn, and a two-turn sample whose second prompt is not trained."""
+    """Three GRPO groups of one turn, a lone sample between two of them, and a two-turn sample twice, whose second
+    prompt is not trained."""
     rng = random.Random(2)
     rows, masks = [], []
     for _ in range(3):
@@ -70,6 +71,9 @@ def _samples(vocab: int) -> list[Sample]:
         group = _group(rng, vocab, 4, prompt)
         rows += group
         masks += _masks(group, len(SYSTEM) + prompt)
+    lone = [rng.randrange(3, vocab) for _ in range(25)]  # shares nothing: a run of its own, with no prefix
+    rows.insert(4, lone)
+    masks.insert(4, [0] * 20 + [1] * 5)
     turn = SYSTEM + [rng.randrange(3, vocab) for _ in range(30)]
     rows.append(turn)
     masks.append([0] * 25 + [1] * 5 + [0] * 10 + [1] * 10)
@@ -98,7 +102,8 @@ def test_the_shared_prefix_forward_gives_the_plain_forwards_logprobs_and_gradien
     backend = TorchBackend(copy.deepcopy(loaded), micro_batch_tokens=1 << 20)
     assert backend._shares_prefixes
     samples = _samples(loaded.model.config.vocab_size)
-    assert plan_runs([s.token_ids for s in samples], [s.loss_mask for s in samples]) is not None
+    runs = plan_runs([s.token_ids for s in samples], [s.loss_mask for s in samples])
+    assert runs is not None and Run(4, 5, 0) in runs
     plain_logprobs, plain = _step(backend, samples, share=False)
     shared_logprobs, shared = _step(backend, samples, share=True)
     assert (shared_logprobs != 0).sum() == sum(sum(s.loss_mask) for s in samples)

@@ -117,23 +117,32 @@ def forward_shared(
     rows: the suffixes' logits at `columns` (suffix positions, as `logits_to_keep` takes them), and the suffixes'
     ids right-padded [B, S]."""
     device = columns.device
-    prefixes = [token_ids[r.start][: r.prefix] for r in runs]
-    run_of = torch.tensor([i for i, r in enumerate(runs) for _ in range(r.start, r.stop)], device=device)
+    sharing = [r for r in runs if r.prefix]
+    # each sample's cache row: its run's row of the prefix pass, or for a run with no prefix an all-zero row, fully
+    # masked (a row of padding alone in the prefix pass would cost its width, and its queries would attend to
+    # nothing, which an attention kernel may answer with NaN that 0 weights keep)
+    index = {r.start: i for i, r in enumerate(sharing)}
+    row_of = torch.tensor([index.get(r.start, len(sharing)) for r in runs for _ in range(r.start, r.stop)],
+                          device=device)
     offsets = row_offsets(runs)
     name = cache_argument(model)
     assert name is not None  # supports_continuous_batching checked it
     cache = DynamicCache(config=model.config)
     prefix_mask = None
-    if any(prefixes):
-        ids, prefix_mask = _right_padded(prefixes, pad_id, device)
+    if sharing:
+        ids, prefix_mask = _right_padded([token_ids[r.start][: r.prefix] for r in sharing], pad_id, device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         shared = getattr(model(input_ids=ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True,
                                logits_to_keep=1), name)  # the output's field is named as the argument
+        def per_sample(rows: torch.Tensor) -> torch.Tensor:  # the zero row appended along the batch, then gathered
+            return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, 1)).index_select(0, row_of)
+
         for layer, done in zip(cast(list[DynamicLayer], cache.layers), shared.layers, strict=True):
-            layer.update(done.keys.index_select(0, run_of), done.values.index_select(0, run_of))
+            layer.update(per_sample(done.keys), per_sample(done.values))
+        prefix_mask = per_sample(prefix_mask)
     suffix_ids, suffix_mask = _right_padded([ids[o:] for ids, o in zip(token_ids, offsets, strict=True)], pad_id,
                                             device)
-    mask = suffix_mask if prefix_mask is None else torch.cat([prefix_mask.index_select(0, run_of), suffix_mask], 1)
+    mask = suffix_mask if prefix_mask is None else torch.cat([prefix_mask, suffix_mask], 1)
     positions = torch.tensor(offsets, device=device)[:, None] + torch.arange(suffix_ids.shape[1], device=device)
     logits = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions, use_cache=False,
                    logits_to_keep=columns, **{name: cache}).logits

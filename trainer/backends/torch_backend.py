@@ -313,8 +313,9 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T] logprobs (and entropy) of a micro-batch, 0 at position 0 and at padding.
 
-        `trained_only`: exact at the trained tokens (loss_mask 1), 0 elsewhere, when the model's forward takes
-        `logits_to_keep` (most HF causal LMs and Qwen-VL do); every position otherwise.
+        `trained_only`: exact at the trained tokens (loss_mask 1) and possibly 0 elsewhere, when the model's forward
+        takes `logits_to_keep` (most HF causal LMs and Qwen-VL do); every position otherwise. A prefix that
+        consecutive samples share then runs once (`prefix_forward`), where the model allows it.
         """
         if trained_only and self._shares_prefixes and not any(s.mm_inputs for s in samples):
             runs = plan_runs([s.token_ids for s in samples], [s.loss_mask for s in samples])
@@ -396,7 +397,7 @@ class TorchBackend:
             with self._replaying(batch):
                 logprobs, _ = self._forward(batch, temperature, with_entropy=False, trained_only=True)
             for row, sample in enumerate(batch):
-                sample.old_logprobs = logprobs[row, : len(sample.token_ids)].clone()
+                sample.old_logprobs = logprobs[row, : len(sample.token_ids)].to("cpu", copy=True)
         return {"old_logprobs_s": time.perf_counter() - start}
 
     def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
