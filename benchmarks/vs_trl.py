@@ -120,15 +120,14 @@ class Setting:
     max_new_tokens: int
     max_total_tokens: int
     eval_tasks: int  # held-out tasks at the end by default (0: no eval)
-    async_on_two_cores: bool  # with --cores-each 2: relax-gym async with max_staleness 1 (else sync)
-    #: async: the engine's thread pinned to one core and the trainer in a process of its own on the other (the
-    #: tiny model, whose steps are Python-bound); else the config's layout, both roles on both cores
+    #: with --cores-each 2 (relax-gym async, max_staleness 1): the engine's thread pinned to one core and the
+    #: trainer in a process of its own on the other (the tiny model, whose steps are Python-bound); else the
+    #: config's layout, both roles on both cores
     pin_roles: bool
     floors: bool  # measure the phase floors after relax-gym's run
 
     @classmethod
-    def from_config(cls, name: str, config: Path, eval_tasks: int, async_on_two_cores: bool, pin_roles: bool,
-                    floors: bool) -> Setting:
+    def from_config(cls, name: str, config: Path, eval_tasks: int, pin_roles: bool, floors: bool) -> Setting:
         """The setting a one-env relax-gym config file trains, read from the file."""
         import yaml
 
@@ -137,17 +136,17 @@ class Setting:
         return cls(name, config, Path(cfg["model"]).expanduser(), env["id"], env.get("kwargs", {}),
                    rollout["group_size"], rollout["groups_per_step"], float(rollout["temperature"]),
                    float(cfg["trainer"]["lr"]), rollout["max_new_tokens"], rollout["max_total_tokens"], eval_tasks,
-                   async_on_two_cores, pin_roles, floors)
+                   pin_roles, floors)
 
 
 SETTINGS = {s.name: s for s in (
     Setting("quickstart", CONFIGS / "quickstart.yaml", ROOT / "examples" / "checkpoints" / "tiny-arithmetic",
             "relax/Arithmetic-v0", {"digits": 1, "n_terms": 2, "ops": "+"}, group_size=8, groups_per_step=16,
             temperature=0.5, lr=3e-4, max_new_tokens=4, max_total_tokens=128, eval_tasks=0,
-            async_on_two_cores=True, pin_roles=True, floors=True),
+            pin_roles=True, floors=True),
     # no floors: on SmolLM2 they take minutes, and benchmarks/real_model.py holds its engine and trainer to plain HF
-    Setting.from_config("smollm2", CONFIGS / "smollm2_arithmetic.yaml", eval_tasks=64, async_on_two_cores=True,
-                        pin_roles=False, floors=False),
+    Setting.from_config("smollm2", CONFIGS / "smollm2_arithmetic.yaml", eval_tasks=64, pin_roles=False,
+                        floors=False),
 )}
 
 
@@ -508,7 +507,7 @@ def main() -> None:
                         help="relax-gym's core, then TRL's (with --cores-each 2: the two cores each side gets)")
     parser.add_argument("--cores-each", type=int, choices=[1, 2], default=1,
                         help="1: both sides at once, one core each (relax-gym sync); 2: each side alone on both "
-                             "cores, one after the other (quickstart: relax-gym async, max_staleness 1)")
+                             "cores, one after the other (relax-gym async, max_staleness 1)")
     parser.add_argument("--cli", action="store_true",
                         help="relax-gym through `relax-gym train` as users run it, the config file's checkpoints and "
                              "evals on (default: the in-process Trainer, no evals, only the final checkpoint)")
@@ -539,7 +538,7 @@ def main() -> None:
     seeds, steps = ([0], 8) if args.quick else (args.seeds, args.steps)
     eval_tasks = setting.eval_tasks if args.eval_tasks is None else args.eval_tasks
     together = args.cores_each == 1
-    asynchronous = not together and setting.async_on_two_cores
+    asynchronous = not together
     mode = "async" if asynchronous else "sync"
     if together:
         setup = (f"at the same time, relax-gym pinned to core {args.cores[0]} and TRL to core {args.cores[1]}, "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -67,11 +67,13 @@ class TrainBackend(Protocol):
 OPTIONAL_PER_TOKEN = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
 
 
-def attach_old_logprobs(backend: TrainBackend, samples: list[Sample], temperature: float) -> dict[str, float]:
+def attach_old_logprobs(backend: TrainBackend, samples: list[Sample], temperature: float,
+                        logprobs: Callable[..., list[LogprobOutput]] | None = None) -> dict[str, float]:
     """Sets each sample's `old_logprobs` from `backend`'s current weights; `{"old_logprobs_s": seconds}`, for the
-    metrics of the `train_step` that asked (`TrainBackend.train_step`'s `recompute_old_logprobs`)."""
+    metrics of the `train_step` that asked (`TrainBackend.train_step`'s `recompute_old_logprobs`). `logprobs`
+    computes them (`backend.logprobs` by default; the torch backend passes one exact only at trained tokens)."""
     start = time.perf_counter()
-    for s, o in zip(samples, backend.logprobs(samples, temperature=temperature), strict=True):
+    for s, o in zip(samples, (logprobs or backend.logprobs)(samples, temperature=temperature), strict=True):
         s.old_logprobs = o.logprobs.clone()  # its own storage: a view would carry its whole batch
     return {"old_logprobs_s": time.perf_counter() - start}
 

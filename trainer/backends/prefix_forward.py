@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from relax_gym.engines.continuous import cache_argument
+from relax_gym.trainer.backends.base import pad_rows
 
 #: a micro-batch takes the shared-prefix forward when it saves at least this many token positions: below it the
 #: second forward call costs more than it saves
@@ -91,17 +92,17 @@ def plan_runs(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[
     return runs[::-1]
 
 
-def _right_padded(
-    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T] ids right-padded with `pad_id`, and their attention mask."""
+def _right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] ids right-padded with 0 (any id: the mask hides it), and their attention mask."""
     width = max(1, max(map(len, rows)))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, : len(row)] = 1
-    return ids.to(device), mask.to(device)
+    lengths = torch.tensor([len(row) for row in rows])
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    return pad_rows(rows, width, dtype=torch.long, device=device), mask.to(device)
+
+
+def _with_zero_row(rows: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """`rows` with an all-zero row appended along the batch, gathered by `row_of` (index len(rows): the zero row)."""
+    return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, 1)).index_select(0, row_of)
 
 
 def row_offsets(runs: Sequence[Run]) -> list[int]:
@@ -110,8 +111,7 @@ def row_offsets(runs: Sequence[Run]) -> list[int]:
 
 
 def forward_shared(
-    model: PreTrainedModel, runs: Sequence[Run], token_ids: Sequence[Sequence[int]], columns: torch.Tensor,
-    pad_id: int,
+    model: PreTrainedModel, runs: Sequence[Run], token_ids: Sequence[Sequence[int]], columns: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each run's prefix once (one batched pass with a cache), then every sample's suffix over its run's cache
     rows: the suffixes' logits at `columns` (suffix positions, as `logits_to_keep` takes them), and the suffixes'
@@ -130,18 +130,14 @@ def forward_shared(
     cache = DynamicCache(config=model.config)
     prefix_mask = None
     if sharing:
-        ids, prefix_mask = _right_padded([token_ids[r.start][: r.prefix] for r in sharing], pad_id, device)
+        ids, prefix_mask = _right_padded([token_ids[r.start][: r.prefix] for r in sharing], device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         shared = getattr(model(input_ids=ids, attention_mask=prefix_mask, position_ids=positions, use_cache=True,
                                logits_to_keep=1), name)  # the output's field is named as the argument
-        def per_sample(rows: torch.Tensor) -> torch.Tensor:  # the zero row appended along the batch, then gathered
-            return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, 1)).index_select(0, row_of)
-
         for layer, done in zip(cast(list[DynamicLayer], cache.layers), shared.layers, strict=True):
-            layer.update(per_sample(done.keys), per_sample(done.values))
-        prefix_mask = per_sample(prefix_mask)
-    suffix_ids, suffix_mask = _right_padded([ids[o:] for ids, o in zip(token_ids, offsets, strict=True)], pad_id,
-                                            device)
+            layer.update(_with_zero_row(done.keys, row_of), _with_zero_row(done.values, row_of))
+        prefix_mask = _with_zero_row(prefix_mask, row_of)
+    suffix_ids, suffix_mask = _right_padded([ids[o:] for ids, o in zip(token_ids, offsets, strict=True)], device)
     mask = suffix_mask if prefix_mask is None else torch.cat([prefix_mask, suffix_mask], 1)
     positions = torch.tensor(offsets, device=device)[:, None] + torch.arange(suffix_ids.shape[1], device=device)
     logits = model(input_ids=suffix_ids, attention_mask=mask, position_ids=positions, use_cache=False,
@@ -150,7 +146,10 @@ def forward_shared(
 
 
 def to_full_width(per_suffix: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """[B, S] values at suffix positions -> [B, T] at the samples' own positions (0 in the prefix and padding)."""
-    width = max(lengths)
-    pairs = enumerate(zip(offsets, lengths, strict=True))
-    return torch.stack([F.pad(per_suffix[b, : n - o], (o, width - n)) for b, (o, n) in pairs])
+    """[B, S] values at suffix positions -> [B, T] at the samples' own positions (0 in the prefix and padding), in
+    one masked write (a copy per row holds the GIL through a small model's step, as `pad_rows` says)."""
+    start, stop = torch.tensor(offsets)[:, None], torch.tensor(lengths)[:, None]
+    kept = (torch.arange(per_suffix.shape[1]) < stop - start).to(per_suffix.device)
+    positions = torch.arange(max(lengths))
+    placed = ((positions >= start) & (positions < stop)).to(per_suffix.device)
+    return per_suffix.new_zeros(placed.shape).masked_scatter(placed, per_suffix[kept])

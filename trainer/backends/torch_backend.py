@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -36,6 +35,7 @@ from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.native_heap import release_free_memory
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
+    attach_old_logprobs,
     build_micro_batch,
     check_samples,
     rng_states,
@@ -273,9 +273,8 @@ class TorchBackend:
             raise ValueError(f"routing replay: model {loaded.name!r} has no mixture-of-experts routers")
         #: whether a training forward runs a prefix its samples share once (`prefix_forward`): text-only models
         #: with full-attention caches, and not under activation checkpointing, which turns the cache off
-        self._shares_prefixes = (share_prefixes and self._keeps_logits and loaded.processor is None
-                                 and not gradient_checkpointing and not self._routers
-                                 and supports_continuous_batching(self.model, has_processor=False))
+        self._shares_prefixes = (share_prefixes and not gradient_checkpointing and not self._routers
+                                 and supports_continuous_batching(self.model, loaded.processor is not None))
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -317,7 +316,7 @@ class TorchBackend:
         takes `logits_to_keep` (most HF causal LMs and Qwen-VL do); every position otherwise. A prefix that
         consecutive samples share then runs once (`prefix_forward`), where the model allows it.
         """
-        if trained_only and self._shares_prefixes and not any(s.mm_inputs for s in samples):
+        if trained_only and self._shares_prefixes:
             runs = plan_runs([s.token_ids for s in samples], [s.loss_mask for s in samples])
             if runs is not None:
                 return self._forward_shared(samples, runs, temperature, with_entropy)
@@ -341,8 +340,7 @@ class TorchBackend:
         suffix_masks = [s.loss_mask[o:] for s, o in zip(samples, offsets, strict=True)]
         columns = trained_columns(suffix_masks, max(map(len, suffix_masks))).to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            logits, suffix_ids = forward_shared(self.model, runs, [s.token_ids for s in samples], columns,
-                                                self.loaded.tokenizer.pad_token_id or 0)
+            logits, suffix_ids = forward_shared(self.model, runs, [s.token_ids for s in samples], columns)
         logprobs, entropy = token_logprobs(logits, suffix_ids, temperature, with_entropy=with_entropy,
                                            columns=columns)
         lengths = [len(s.token_ids) for s in samples]
@@ -368,37 +366,33 @@ class TorchBackend:
 
     # --- TrainBackend -------------------------------------------------------------------------
 
-    @torch.no_grad()
     def logprobs(
         self, samples: list[Sample], *, temperature: float = 1.0, with_entropy: bool = False
     ) -> list[LogprobOutput]:
         """Per-token logprobs (no grad) of `log_softmax(logits / temperature)`, as the engine reports them."""
+        return self._logprobs(samples, temperature, with_entropy, trained_only=False)
+
+    def _trained_logprobs(self, samples: list[Sample], *, temperature: float = 1.0) -> list[LogprobOutput]:
+        """`logprobs` by the training forward, for the old logprobs of a step: exact at the trained tokens, where the
+        losses read them, and possibly 0 elsewhere, so only trained positions meet the vocabulary and a shared
+        prefix runs once."""
+        return self._logprobs(samples, temperature, with_entropy=False, trained_only=True)
+
+    @torch.no_grad()
+    def _logprobs(
+        self, samples: list[Sample], temperature: float, with_entropy: bool, *, trained_only: bool
+    ) -> list[LogprobOutput]:
         check_samples(samples, temperature)
         self.model.eval()
         out: list[LogprobOutput] = []
         for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
             batch = [samples[i] for i in group]
             with self._replaying(batch):
-                logprobs, entropy = self._forward(batch, temperature, with_entropy)
+                logprobs, entropy = self._forward(batch, temperature, with_entropy, trained_only=trained_only)
             for row, i in enumerate(group):
                 n = len(samples[i].token_ids)
                 out.append(LogprobOutput(logprobs[row, :n].cpu(), None if entropy is None else entropy[row, :n].cpu()))
         return out
-
-    @torch.no_grad()
-    def _attach_old_logprobs(self, samples: list[Sample], temperature: float) -> dict[str, float]:
-        """`attach_old_logprobs` by the training forward: exact at the trained tokens, where the loss reads them,
-        and possibly 0 elsewhere, so only trained positions meet the vocabulary and a shared prefix runs once."""
-        start = time.perf_counter()
-        check_samples(samples, temperature)
-        self.model.eval()
-        for group in pack_micro_batches([len(s.token_ids) for s in samples], self.micro_batch_tokens):
-            batch = [samples[i] for i in group]
-            with self._replaying(batch):
-                logprobs, _ = self._forward(batch, temperature, with_entropy=False, trained_only=True)
-            for row, sample in enumerate(batch):
-                sample.old_logprobs = logprobs[row, : len(sample.token_ids)].to("cpu", copy=True)
-        return {"old_logprobs_s": time.perf_counter() - start}
 
     def train_step(self, samples: list[Sample], loss_fn: LossFn, *, temperature: float = 1.0,
                    recompute_old_logprobs: bool = False) -> dict[str, float]:
@@ -409,7 +403,7 @@ class TorchBackend:
         weights; it still counts as a step (`skipped` = 1) so versions stay in
         lockstep with the loop's step count.
         """
-        old = self._attach_old_logprobs(samples, temperature) if recompute_old_logprobs else {}
+        old = attach_old_logprobs(self, samples, temperature, self._trained_logprobs) if recompute_old_logprobs else {}
         check_samples(samples, temperature)
         step_tokens = sum(sum(s.loss_mask) for s in samples)
         step_sequences = sum(1 for s in samples if any(s.loss_mask))
