@@ -7,7 +7,8 @@
   in place and before shared prefixes were prefilled once (`--before`); generated tokens/s and the ratios.
 - decode step: one step of N rows at a context of `--context` tokens, against two floors measured in the same run:
   reading the weights once (their bytes over this machine's copy bandwidth) and their multiply-adds at the best
-  fp32 matmul rate measured here (a 2048-square matmul).
+  fp32 matmul rate measured here (a 2048-square product through oneDNN, as the engine's linears run it; torch's
+  own `@` beside it).
 - trainer: one optimizer step on `--train-seqs` sequences of `--train-len` tokens (the last quarter trained):
   `TorchBackend.train_step` (GRPO loss) against the plain step a user writes (HF forward with labels, backward,
   AdamW); tokens/s and the ratio, the median of `--repeats` steps after one warm-up each. With `--train-groups`
@@ -36,6 +37,7 @@ from gpu_path import engine_tokens_per_s, generate, train_samples
 from transformers.cache_utils import DynamicLayer
 
 from relax_gym import messages as M
+from relax_gym import onednn_linear
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams, continuous
 from relax_gym.models import LoadedModel, load_model, render_ids
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
@@ -110,22 +112,28 @@ def copy_gb_per_s(megabytes: int = 512) -> float:
     return 2 * source.numel() * 4 / best / 1e9
 
 
-def matmul_gflops(size: int = 2048) -> float:
-    """The best fp32 matmul rate here: a size-square matmul, best of 5."""
+def matmul_gflops(size: int = 2048) -> tuple[float, float]:
+    """The fp32 matmul rates here, a size-square product, best of 5: torch's `@` (MKL) and oneDNN's (the engine's and
+    the trainer's linears, `relax_gym.onednn_linear`; the same as `@` where oneDNN does not apply)."""
     a = torch.randn(size, size)
-    a @ a
-    best = math.inf
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    routed = onednn_linear.onednn_available()
+    rates = []
+    for product in (lambda: a @ a, lambda: onednn_linear._product(a, a.t(), None) if routed else a @ a):
+        product()
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
+        rates.append(2 * size**3 / best / 1e9)
+    return rates[0], rates[1]
 
 
-def decode_step_s(loaded: LoadedModel, rows: int, context: int, steps: int = 10) -> float:
-    """One decode step of `rows` rows at about `context` tokens of KV cache, median of `steps`."""
+def decode_step_s(model: torch.nn.Module, loaded: LoadedModel, rows: int, context: int, steps: int = 10) -> float:
+    """One decode step of `model` (the engine's) over `rows` rows at about `context` tokens of KV cache, median of
+    `steps`."""
     prompt = [loaded.tokenizer.eos_token_id or 0] * context
-    batch, logits = continuous.RunningBatch(loaded.model, 0).prefill([[i % 7 + 100, *prompt] for i in range(rows)])
+    batch, logits = continuous.RunningBatch(model, 0).prefill([[i % 7 + 100, *prompt] for i in range(rows)])
     batch.last = logits.argmax(-1)
     times = []
     for _ in range(steps + 1):
@@ -259,15 +267,18 @@ def main() -> None:
     print("| weights | mean abs gap | max abs gap |\n|---|---:|---:|")
     for dtype, (mean, worst) in gaps.items():
         print(f"| {dtype} | {mean:.2e} | {worst:.2e} |")
+    engine_model = copy.deepcopy(loaded.model).eval()
+    onednn_linear.use_onednn_linears(engine_model)  # as the float32 engine's
     unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}  # tied embeddings are one tensor
     weights_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
-    bandwidth, gflops = copy_gb_per_s(), matmul_gflops()
+    bandwidth, (torch_gflops, gflops) = copy_gb_per_s(), matmul_gflops()
     flops_per_row = 2 * sum(m.weight.numel() for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
     print(f"\ndecode step at a {args.context}-token cache; floors: weights {weights_gb:.2f} GB read once at "
-          f"{bandwidth:.0f} GB/s (copy), multiply-adds at {gflops:.0f} GFLOP/s (fp32 matmul)\n")
+          f"{bandwidth:.0f} GB/s (copy), multiply-adds at {gflops:.0f} GFLOP/s (fp32 matmul, oneDNN where it applies; "
+          f"torch's own @ {torch_gflops:.0f})\n")
     print("| rows | step | read-once floor | compute floor | step / larger floor |\n|---:|---:|---:|---:|---:|")
     for n in args.requests:
-        step = decode_step_s(loaded, n, args.context)
+        step = decode_step_s(engine_model, loaded, n, args.context)
         read, compute = weights_gb / bandwidth, n * flops_per_row / gflops / 1e9
         print(f"| {n} | {step * 1e3:.1f} ms | {read * 1e3:.1f} ms | {compute * 1e3:.1f} ms | "
               f"{step / max(read, compute):.2f}x |", flush=True)

@@ -71,6 +71,7 @@ from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, concat_media, encode_media
 from relax_gym.models.inputs import takes_token_types
 from relax_gym.models.moe_routing import recording, routers
+from relax_gym.onednn_linear import use_onednn_linears
 from relax_gym.video import Video, VideoError
 
 #: "continuous": requests join a running batch (text-only models); "static": one `generate` per batch
@@ -302,6 +303,8 @@ class EmbeddedEngine:
             # than the last, pays it every layer of every step (on an H100: 2 ms of CPU a layer, two thirds of a
             # step); flash and memory-efficient attention have no such cost. Process-wide, as torch's flag is.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        else:
+            use_onednn_linears(self.model)  # float32 products at oneDNN's rate, not MKL's (`onednn_linear`)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_token_ids = loaded.stop_token_ids()
         self.placeholder_token_ids = self._placeholder_ids()

@@ -31,6 +31,7 @@ FLOOR_OF: dict[str, str] = {
     "relax_gym.errors": "records",
     "relax_gym.cpu_threads": "records",
     "relax_gym.native_heap": "records",
+    "relax_gym.onednn_linear": "records",
     "relax_gym.version": "records",
     # the HTTP foundation under the four servers and their clients (guard, error shape, in-loop server, keys,
     # client helpers): it imports nothing of relax_gym but the errors, so every floor that serves or calls stands on it

@@ -33,6 +33,7 @@ from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inp
 from relax_gym.models.loading import save_model
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.native_heap import release_free_memory
+from relax_gym.onednn_linear import use_onednn_linears
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     attach_old_logprobs,
@@ -253,6 +254,8 @@ class TorchBackend:
         self.loaded = loaded
         # transformers' `to` is typed through @wraps(nn.Module.to), which mypy reads as unbound
         self.model = loaded.model.to(device=self.device, dtype=torch.float32 if self.autocast_dtype else dtype)  # type: ignore[call-arg]
+        if self.device.type == "cpu":
+            use_onednn_linears(self.model)  # float32 products at oneDNN's rate, not MKL's (`onednn_linear`)
         if gradient_checkpointing:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.optimizer = torch.optim.AdamW(
