@@ -1,7 +1,8 @@
 """Conformance checks for environments: gymnasium's `check_env` plus what relax_gym relies on.
 
 The rollout manager assumes more than gymnasium checks: observations render to
-valid chat messages, the same seed gives the same prompt, any text the model
+valid chat messages, the same seed gives the same prompt (and the same whole
+episode, for the same actions, in two fresh envs), any text the model
 writes is survivable, `info` can be written to JSONL, snapshots resume exactly,
 and the modalities an env declares are the ones it emits. Each check runs on
 its own so one failure does not hide the others.
@@ -398,6 +399,58 @@ def check_state(make_env: Callable[[], Env]) -> str:
     return f"{exercised} of {len(snapshots)} snapshots over {len(played)} {source} resume identically"
 
 
+def _replay_actions(env: Env, make_env: Callable[[], Env], seed: int) -> tuple[list[str], str]:
+    """What `check_seeded_replay` plays after `env.reset(seed=seed)`: its scripted actions, else calls synthesised
+    from its tool schemas, else its action space's samples under `seed`."""
+    actions = scripted_actions(env)
+    if actions:
+        return actions, "scripted actions"
+    if _tool_names(env):
+        return synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
+    env.action_space.seed(seed)
+    return [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
+
+
+def check_seeded_replay(make_env: Callable[[], Env]) -> str:
+    """Two fresh envs reset with one seed and played the same actions, step by step in turn, must give the same
+    observations, rewards and ends: the seed names the whole task, as a GRPO group (one seed, several samples)
+    and an exact resume assume.
+
+    `check_reset` cannot see a seed that picks nothing but hidden state (a secret number, a deck, a server that
+    ignores `reset(seed)`): the first observation does not show it, the later turns and the reward do. Playing
+    the two envs in turn also catches an episode drawn lazily from a process-wide RNG, which another episode
+    in the same process moves.
+    """
+    steps, sources = 0, set()
+    for seed in range(N_SEEDS):
+        first, second = make_env(), make_env()
+        try:
+            obs_a, _ = first.reset(seed=seed)
+            obs_b, _ = second.reset(seed=seed)
+            _require(data_equivalence(_rendered(first, obs_a, f"reset(seed={seed})"),
+                                      _rendered(second, obs_b, f"reset(seed={seed}) in another env")),
+                     f"reset(seed={seed}) in two fresh envs gave different observations")
+            actions, source = _replay_actions(first, make_env, seed)
+            sources.add(source)
+            for t, action in enumerate(actions[:MAX_STEPS]):
+                want, got = _outcome(first, first.step(action)), _outcome(second, second.step(action))
+                steps += 1
+                if not (data_equivalence(want[0], got[0]) and want[1:] == got[1:]):
+                    what = ("observations" if not data_equivalence(want[0], got[0])
+                            else f"rewards/ends ({want[1:]} against {got[1:]})")
+                    raise CheckFailure(
+                        f"seed {seed}, step {t + 1} ({action[:60]!r}): two fresh envs reset with the same seed and "
+                        f"given the same actions gave different {what}: the seed does not name the whole task "
+                        "(is reset(seed) passed on to what draws it?), so one GRPO group would compare different "
+                        "tasks")
+                if want[2] or want[3]:
+                    break
+        finally:
+            first.close()
+            second.close()
+    return f"{N_SEEDS} seeds, {steps} steps of {' and '.join(sorted(sources))}"
+
+
 def check_async(make_env: Callable[[], Env]) -> str:
     env = make_env()
 
@@ -416,6 +469,7 @@ def check_async(make_env: Callable[[], Env]) -> str:
 CHECKS: list[tuple[str, Callable[[Callable[[], Env]], str]]] = [
     ("gymnasium.check_env", check_gymnasium),
     ("reset is deterministic per seed", check_reset),
+    ("seeded replay in fresh envs", check_seeded_replay),
     ("random actions never crash", check_random_actions),
     ("declared modalities match", check_modalities),
     ("tool schemas", check_tools),

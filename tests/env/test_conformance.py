@@ -45,6 +45,46 @@ class UnseededEnv(GoodEnv):
         return [user(str(random.random()))], {}
 
 
+class SeedIgnoringEnv(GoodEnv):
+    """A secret number drawn without the seed, as OpenEnv's textarena server ignores `reset(seed)`: the prompt and
+    the first replies are the same for every draw (so gymnasium's one-step determinism check passes), the last
+    reply and the reward are not."""
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.secret, self.turn = random.randrange(10**9), 0
+        return [user("guess my number")], {}
+
+    def step(self, action):
+        self.turn += 1
+        guess = int(action) if action.strip().isdigit() else -1
+        done = self.turn >= 3 or guess == self.secret
+        reply = f"it was {self.secret}" if done else ("right" if guess == self.secret else "wrong")
+        return [user(reply)], float(guess == self.secret), done, False, {}
+
+    def get_state(self):
+        return {"secret": self.secret, "turn": self.turn}
+
+    def set_state(self, state):
+        self.secret, self.turn = state["secret"], state["turn"]
+
+    def scripted_actions(self):
+        return ["500", "750", "625"]
+
+
+class GlobalRandomEnv(GoodEnv):
+    """Seeds Python's process-wide RNG at reset and draws from it only when stepped (TextArena's games do the
+    first): one env alone replays, two interleaved episodes do not."""
+
+    def reset(self, *, seed=None, options=None):
+        random.seed(seed)
+        return super().reset(seed=seed)
+
+    def step(self, action):
+        _, *rest = super().step(action)
+        return [user(f"dealt {random.randrange(52)}")], *rest
+
+
 class CrashingEnv(GoodEnv):
     def step(self, action):
         if "<" in action or not action:
@@ -161,6 +201,8 @@ def test_good_env_passes_every_check():
     ("cls", "check", "needle"),
     [
         (UnseededEnv, "reset is deterministic per seed", "different observations"),
+        (SeedIgnoringEnv, "seeded replay in fresh envs", "two fresh envs reset with the same seed"),
+        (GlobalRandomEnv, "seeded replay in fresh envs", "different observations"),
         (CrashingEnv, "random actions never crash", "raised ValueError: cannot handle that"),
         (UndeclaredImageEnv, "declared modalities match", "['image']"),
         (SetInfoEnv, "random actions never crash", "not JSON-serialisable"),
@@ -171,6 +213,13 @@ def test_bad_envs_fail_with_the_reason(cls, check, needle):
     report = run_checks(cls.__name__, cls)
     assert not report.passed
     assert needle in failed(report)[check]
+
+
+def test_a_seed_that_picks_only_hidden_state_passes_the_reset_check_and_fails_the_replay():
+    """What OpenEnv's seed-ignoring server showed: the old checks passed it, so a GRPO group compared tasks."""
+    problems = failed(run_checks("ignores its seed", SeedIgnoringEnv))
+    assert set(problems) == {"seeded replay in fresh envs"}, problems
+    assert "the seed does not name the whole task" in problems["seeded replay in fresh envs"]
 
 
 def test_state_kept_outside_the_episode_fails_once_the_tools_are_reached():
