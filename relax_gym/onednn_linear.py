@@ -12,6 +12,9 @@ forward and both backward products run through oneDNN. Nothing else in torch cha
 It applies to float32 on a CPU, outside autocast, for products of at least `MIN_MULTIPLY_ADDS`: a oneDNN call
 costs about 10 us more than MKL's, which a tiny model's 64-wide layers never earn back. Anything else, or a
 torch without oneDNN, or a CPU that is not x86, keeps `F.linear`; `RELAX_GYM_ONEDNN=0` turns it off.
+
+The cost is memory: oneDNN keeps state for each product shape it has run (primitives and JIT kernels), about
+0.5 GB once a run has made some hundreds of them, where it levels off (benchmarks/RESULTS.md, the memory section).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MIN_MULTIPLY_ADDS", "OneDNNLinear", "onednn_available", "use_onednn_linears"]
+__all__ = ["MAX_GRADIENT_COPY_BYTES", "MIN_MULTIPLY_ADDS", "OneDNNLinear", "onednn_available", "use_onednn_linears"]
 
 #: products smaller than this (rows x in x out) stay on `F.linear`: oneDNN's extra call cost outweighs its rate
 MIN_MULTIPLY_ADDS = 1 << 21
+#: a weight gradient whose output gradient is larger than this goes to torch's mm (see `_Linear.backward`)
+MAX_GRADIENT_COPY_BYTES = 16 << 20
 
 
 def onednn_available() -> bool:
@@ -44,7 +49,8 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 class _Linear(torch.autograd.Function):
-    """`F.linear` with its forward and its two backward products on oneDNN (bias gradient: a sum)."""
+    """`F.linear` with its forward and its two backward products on oneDNN (bias gradient: a sum; a large weight
+    gradient's product on torch's mm)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,7 +67,11 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _product(rows, weight.t(), None).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = _product(rows.t(), x.reshape(-1, x.shape[-1]).t(), None)
+            inputs = x.reshape(-1, x.shape[-1])
+            # oneDNN copies a transposed left operand: for a vocabulary head that copy of the output gradient is
+            # rows x 49k floats (100 MB at 512 rows, raising the step's peak), where torch's mm reads it in place
+            small = rows.numel() * rows.element_size() <= MAX_GRADIENT_COPY_BYTES
+            grad_weight = _product(rows.t(), inputs.t(), None) if small else rows.t().mm(inputs)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
