@@ -13,8 +13,8 @@ It applies to float32 on a CPU, outside autocast, for products of at least `MIN_
 costs about 10 us more than MKL's, which a tiny model's 64-wide layers never earn back. Anything else, or a
 torch without oneDNN, or a CPU that is not x86, keeps `F.linear`; `RELAX_GYM_ONEDNN=0` turns it off.
 
-The cost is memory: oneDNN keeps state for each product shape it has run (primitives and JIT kernels), about
-0.5 GB once a run has made some hundreds of them, where it levels off (benchmarks/RESULTS.md, the memory section).
+The cost is memory: SmolLM2's arithmetic run peaks 0.35 GB higher with it (benchmarks/RESULTS.md, the memory
+section, which says what was ruled out).
 """
 
 from __future__ import annotations
