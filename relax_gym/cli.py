@@ -61,6 +61,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from relax_gym.env.conformance import FAILED, NOT_EXERCISED, resolve, run_checks
     from relax_gym.env.registration import EnvArgumentError, UnknownEnvError
+    from relax_gym.rollout.agent_check import check_agent
 
     env_kwargs: dict[str, object] = {}
     for pair in args.env_arg:  # one at a time, so an error names the pair
@@ -82,7 +83,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             console.print(f"[red]cannot load {escape(target)}: {type(err).__name__}: {escape(str(err))}[/red]",
                           highlight=False, soft_wrap=True)
             return 2
-        reports += [run_checks(name, factory) for name, factory in resolved]
+        for name, factory in resolved:
+            report = run_checks(name, factory)
+            if report.results[0].name not in ("construct", "is a relax_gym.Env"):  # it made an Env
+                agent = check_agent(name, factory)  # None unless it is an AgentEnv
+                if agent is not None:
+                    report.results.append(agent)
+            reports.append(report)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -10,9 +10,10 @@ client pointed at its own session of the agent proxy (`relax_gym.rollout.agent_p
 engine and records the exact tokens; the agent's return value is the episode's reward. An agent that raises
 ends its episode `failed` with the reason; one that outlives `rollout.episode_timeout_s` is `aborted`.
 
-As a plain gymnasium env (what `relax-gym check` exercises) an `AgentEnv` shows its task: `reset` draws it
+As a plain gymnasium env (what the env checks exercise) an `AgentEnv` shows its task: `reset` draws it
 from the seed and presents it as a user message, and `step` ends that episode with reward 0, since a single
-reply cannot run the agent's program.
+reply cannot run the agent's program. `relax-gym check` also runs the agent itself once, against a scripted
+engine (`relax_gym.rollout.agent_check`).
 """
 
 from __future__ import annotations
