@@ -118,7 +118,7 @@ def matmul_gflops(size: int = 2048) -> tuple[float, float]:
     a = torch.randn(size, size)
     routed = onednn_linear.onednn_available()
     rates = []
-    for product in (lambda: a @ a, lambda: onednn_linear._product(a, a.t(), None) if routed else a @ a):
+    for product in (lambda: a @ a, lambda: onednn_linear.onednn_product(a, a.t(), None) if routed else a @ a):
         product()
         best = math.inf
         for _ in range(5):

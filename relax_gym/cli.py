@@ -85,10 +85,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             return 2
         for name, factory in resolved:
             report = run_checks(name, factory)
-            if report.results[0].name not in ("construct", "is a relax_gym.Env"):  # it made an Env
-                agent = check_agent(name, factory)  # None unless it is an AgentEnv
-                if agent is not None:
-                    report.results.append(agent)
+            agent = check_agent(name, factory)  # None unless it makes an AgentEnv
+            if agent is not None:
+                report.results.append(agent)
             reports.append(report)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))

@@ -27,7 +27,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MAX_GRADIENT_COPY_BYTES", "MIN_MULTIPLY_ADDS", "OneDNNLinear", "onednn_available", "use_onednn_linears"]
+__all__ = [
+    "MAX_GRADIENT_COPY_BYTES", "MIN_MULTIPLY_ADDS", "OneDNNLinear", "onednn_available", "onednn_product",
+    "use_onednn_linears",
+]
 
 #: products smaller than this (rows x in x out) stay on `F.linear`: oneDNN's extra call cost outweighs its rate
 MIN_MULTIPLY_ADDS = 1 << 21
@@ -43,7 +46,7 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias by oneDNN; `weight` may be a strided view (the backward passes transposes)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -56,7 +59,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _product(x, weight, bias)
+        return onednn_product(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -65,13 +68,13 @@ class _Linear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _product(rows, weight.t(), None).reshape(x.shape)
+            grad_x = onednn_product(rows, weight.t(), None).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             inputs = x.reshape(-1, x.shape[-1])
             # oneDNN copies a transposed left operand: for a vocabulary head that copy of the output gradient is
             # rows x 49k floats (100 MB at 512 rows, raising the step's peak), where torch's mm reads it in place
             small = rows.numel() * rows.element_size() <= MAX_GRADIENT_COPY_BYTES
-            grad_weight = _product(rows.t(), inputs.t(), None) if small else rows.t().mm(inputs)
+            grad_weight = onednn_product(rows.t(), inputs.t(), None) if small else rows.t().mm(inputs)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
@@ -88,7 +91,7 @@ class OneDNNLinear(nn.Linear):
         if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _Linear.apply(input, weight, bias)
-        return _product(input, weight, bias)
+        return onednn_product(input, weight, bias)
 
 
 def use_onednn_linears(model: nn.Module) -> int:

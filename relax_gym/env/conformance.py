@@ -330,13 +330,31 @@ def _outcome(env: Env, result: tuple) -> tuple:
     return copy.deepcopy(env.format_observation(obs)), float(reward), bool(terminated), bool(truncated)
 
 
+def _difference(want: tuple, got: tuple) -> str:
+    """What differs between two `_outcome`s: "" when nothing, else "observation" or "reward/terminated/truncated"."""
+    if not data_equivalence(want[0], got[0]):
+        return "observation"
+    return "" if want[1:] == got[1:] else "reward/terminated/truncated"
+
+
 def _replay(env: Env, actions: list[str], expected: list[tuple], where: str, first: int) -> None:
     for offset, (action, want) in enumerate(zip(actions, expected, strict=True)):
-        got = _outcome(env, env.step(action))
-        if not (data_equivalence(want[0], got[0]) and want[1:] == got[1:]):
-            what = "observation" if not data_equivalence(want[0], got[0]) else "reward/terminated/truncated"
+        what = _difference(want, _outcome(env, env.step(action)))
+        if what:
             raise CheckFailure(f"{where}, step {first + offset + 1} ({action[:60]!r}) differs from the original "
                                f"episode in its {what}: get_state/set_state misses part of the state")
+
+
+def _playable_actions(env: Env, make_env: Callable[[], Env], seed: int) -> tuple[list[str], str]:
+    """What a check plays after `env.reset(seed=seed)`, and what they are: the env's scripted actions, else calls
+    synthesised from its tool schemas, else its action space's samples under `seed`."""
+    actions = scripted_actions(env)
+    if actions:
+        return actions, "scripted actions"
+    if _tool_names(env):
+        return synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
+    env.action_space.seed(seed)
+    return [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
 
 
 def check_state(make_env: Callable[[], Env]) -> str:
@@ -353,12 +371,7 @@ def check_state(make_env: Callable[[], Env]) -> str:
         return "not offered"
     names = _tool_names(env)
     _, info = env.reset(seed=STATE_SEED)
-    actions, source = scripted_actions(env), "scripted actions"
-    if not actions and names:
-        actions, source = synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
-    if not actions:
-        env.action_space.seed(STATE_SEED)
-        actions, source = [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
+    actions, source = _playable_actions(env, make_env, STATE_SEED)
     snapshots, expected, tools_before = [], [], []
     reached = False
     for action in actions[:MAX_STEPS]:
@@ -399,18 +412,6 @@ def check_state(make_env: Callable[[], Env]) -> str:
     return f"{exercised} of {len(snapshots)} snapshots over {len(played)} {source} resume identically"
 
 
-def _replay_actions(env: Env, make_env: Callable[[], Env], seed: int) -> tuple[list[str], str]:
-    """What `check_seeded_replay` plays after `env.reset(seed=seed)`: its scripted actions, else calls synthesised
-    from its tool schemas, else its action space's samples under `seed`."""
-    actions = scripted_actions(env)
-    if actions:
-        return actions, "scripted actions"
-    if _tool_names(env):
-        return synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
-    env.action_space.seed(seed)
-    return [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
-
-
 def check_seeded_replay(make_env: Callable[[], Env]) -> str:
     """Two fresh envs reset with one seed and played the same actions, step by step in turn, must give the same
     observations, rewards and ends: the seed names the whole task, as a GRPO group (one seed, several samples)
@@ -430,17 +431,17 @@ def check_seeded_replay(make_env: Callable[[], Env]) -> str:
             _require(data_equivalence(_rendered(first, obs_a, f"reset(seed={seed})"),
                                       _rendered(second, obs_b, f"reset(seed={seed}) in another env")),
                      f"reset(seed={seed}) in two fresh envs gave different observations")
-            actions, source = _replay_actions(first, make_env, seed)
+            actions, source = _playable_actions(first, make_env, seed)
             sources.add(source)
             for t, action in enumerate(actions[:MAX_STEPS]):
                 want, got = _outcome(first, first.step(action)), _outcome(second, second.step(action))
                 steps += 1
-                if not (data_equivalence(want[0], got[0]) and want[1:] == got[1:]):
-                    what = ("observations" if not data_equivalence(want[0], got[0])
-                            else f"rewards/ends ({want[1:]} against {got[1:]})")
+                what = _difference(want, got)
+                if what:
+                    shown = "observations" if what == "observation" else f"{what} ({want[1:]} against {got[1:]})"
                     raise CheckFailure(
                         f"seed {seed}, step {t + 1} ({action[:60]!r}): two fresh envs reset with the same seed and "
-                        f"given the same actions gave different {what}: the seed does not name the whole task "
+                        f"given the same actions gave different {shown}: the seed does not name the whole task "
                         "(is reset(seed) passed on to what draws it?), so one GRPO group would compare different "
                         "tasks")
                 if want[2] or want[3]:

@@ -43,10 +43,14 @@ async def _play(env: AgentEnv, name: str) -> list[Trajectory]:
 
 
 def check_agent(name: str, make_env: Callable[[], Env]) -> CheckResult | None:
-    """Runs the agent of the `AgentEnv` `make_env` makes on seed 0's task; None for any other env. It passes when
-    the episode ends completed or truncated by the run's limits, and fails with the episode's reason otherwise
-    (the agent raised, timed out, made no model call, or every call was refused)."""
-    env = make_env()
+    """Runs the agent of the `AgentEnv` `make_env` makes on seed 0's task; None for any other env, or when
+    `make_env` fails (the env checks report that). It passes when the episode ends completed or truncated by the
+    run's limits, and fails with the episode's reason otherwise (the agent raised, timed out, made no model call,
+    or every call was refused)."""
+    try:
+        env = make_env()
+    except Exception:
+        return None
     try:
         if not isinstance(env, AgentEnv):
             return None

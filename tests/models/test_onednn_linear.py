@@ -63,7 +63,7 @@ def test_small_products_bfloat16_and_autocast_keep_f_linear(monkeypatch: pytest.
     def refuse(*_: object) -> torch.Tensor:
         raise AssertionError("oneDNN was called")
 
-    monkeypatch.setattr(onednn_linear, "_product", refuse)
+    monkeypatch.setattr(onednn_linear, "onednn_product", refuse)
     _, routed = _pair(64, 64, True)
     x = torch.randn(8, 64)
     assert torch.equal(routed(x), F.linear(x, routed.weight, routed.bias))  # 32K multiply-adds
