@@ -18,6 +18,7 @@ from relax_gym.env.registration import (
     list_envs,
     make,
     register,
+    register_namespace,
     registry,
     spec,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "list_envs",
     "make",
     "register",
+    "register_namespace",
     "registry",
     "spec",
     "tool",

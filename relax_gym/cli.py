@@ -19,6 +19,15 @@ from rich.table import Table
 console = Console()
 
 
+def _print_namespaces() -> None:
+    """The namespaces whose ids build on first lookup (`register_namespace`): the table lists only those made."""
+    from relax_gym.env.registration import namespaces
+
+    for namespace, (entry, keyword) in sorted(namespaces.items()):
+        where = entry if isinstance(entry, str) else getattr(entry, "__qualname__", repr(entry))
+        console.print(f"{namespace}/NAME  {escape(where)} with {keyword}=NAME", highlight=False, soft_wrap=True)
+
+
 def cmd_envs(args: argparse.Namespace) -> int:
     from relax_gym.env.registration import describe, list_envs
 
@@ -43,6 +52,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
         table.add_row(*map(escape, c[:4]), f"[red]{escape(c[4])}[/red]" if "error" in r else escape(c[4]))
     if console.measure(table, options=console.options.update_width(10**6)).maximum <= console.width:
         console.print(table)
+        _print_namespaces()
         return 0
     # Too narrow for the table unwrapped (80 columns when piped): one block per env, ids whole on their own line.
     console.print("relax_gym environments", style="bold")
@@ -55,6 +65,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
         console.print(escape(f"    {' | '.join(f for f in facts if f)}"), highlight=False)
         if description:
             console.print(escape(f"    {description}"), highlight=False)
+    _print_namespaces()
     return 0
 
 

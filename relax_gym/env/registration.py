@@ -10,6 +10,10 @@ Commands take env *targets*, not only ids: `resolve_env_id` turns a
 `file.py`, a module, or `source:NAME` into the registered id it names, and
 `import_env_source` is the one place a file or module is imported for its ids.
 
+A *namespace* registered with `register_namespace` builds its ids on first lookup: an ecosystem with hundreds
+of games (`textarena/TicTacToe-v0`, `gem/game:Sudoku-v0-easy`) gets every one by name without a list here that
+would go stale; the part after the slash is handed to the env as one keyword.
+
 Third-party packages add ids through the `relax_gym.envs` entry-point group.
 Those are loaded on the first lookup (`make`, `spec`, `list_envs`, ...), not at
 import, so `import relax_gym.engines` on every torchrun rank runs no plugin
@@ -49,6 +53,8 @@ registry: dict[str, EnvSpec] = {}
 _plugins_state = "pending"
 #: reentrant: a plugin that looks ids up while it loads must not wait on itself
 _plugins_lock = threading.RLock()
+#: namespace -> (entry point, the keyword that takes the name after the slash), for ids built on first lookup
+namespaces: dict[str, tuple[str | Callable[..., Env], str]] = {}
 #: ids each imported file or module registered, so importing it again (a no-op) still finds them
 _source_ids: dict[str, set[str]] = {}
 
@@ -87,6 +93,26 @@ def register(
     registry[id] = spec
     gymnasium.registry[id] = spec
     return spec
+
+
+def register_namespace(namespace: str, entry_point: str | Callable[..., Env], keyword: str) -> None:
+    """Every id `namespace/NAME` not registered otherwise is `entry_point` made with `keyword=NAME`.
+
+    The id is registered when it is first looked up, so `list_envs` shows the ones in use, not every game of an
+    ecosystem; NAME is checked by the env when it is made (it knows its ecosystem's names)."""
+    if not namespace or "/" in namespace:
+        raise ValueError(f"a namespace is one path segment without '/', got {namespace!r}")
+    namespaces[namespace] = (entry_point, keyword)
+
+
+def _build_from_namespace(id: str) -> EnvSpec | None:
+    """Registers `id` from its namespace (see `register_namespace`); None when no namespace claims it."""
+    namespace, slash, name = id.partition("/")
+    if not slash or not name or namespace not in namespaces:
+        return None
+    entry_point, keyword = namespaces[namespace]
+    defaults: dict[str, Any] = {keyword: name}
+    return register(id, entry_point, **defaults)
 
 
 def _same_spec(old: EnvSpec, new: EnvSpec) -> bool:
@@ -146,7 +172,7 @@ def _load_plugins() -> None:
 def spec(id: str) -> EnvSpec:
     """The registration of `id`; an unknown id names the closest registered ones."""
     _load_plugins()
-    found = registry.get(id)
+    found = registry.get(id) or _build_from_namespace(id)
     if found is None:
         close = difflib.get_close_matches(id, list(registry), n=3, cutoff=0.5)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -311,7 +337,7 @@ def resolve_env_id(target: str) -> str:
     class registered under exactly one id. Anything else raises
     UnknownEnvError (EnvTargetError for files and modules) in one line.
     """
-    if target in list_envs():
+    if target in list_envs() or _build_from_namespace(target) is not None:
         return target
     source, name = split_env_target(target)
     if source is None:

@@ -59,6 +59,26 @@ def test_malformed_id_is_refused():
         relax_gym.register("not a valid id!", Echo)
 
 
+def test_a_namespace_builds_its_ids_on_first_lookup():
+    relax_gym.register_namespace("echoes", Echo, "prefix")
+    assert "echoes/Loud-v0" not in relax_gym.list_envs()
+    env = relax_gym.make("echoes/Loud-v0")
+    assert env.prefix == "Loud-v0"
+    assert relax_gym.spec("echoes/Loud-v0").kwargs == {"prefix": "Loud-v0"}
+    assert "echoes/Loud-v0" in relax_gym.list_envs()
+    assert resolve_env_id("echoes/game:Quiet-v0-easy") == "echoes/game:Quiet-v0-easy"  # ':' after a '/' is a name
+    assert gymnasium.make("echoes/Loud-v0").unwrapped.prefix == "Loud-v0"  # once looked up, gymnasium has it too
+    with pytest.raises(UnknownEnvError):
+        relax_gym.make("noechoes/Loud-v0")
+    with pytest.raises(ValueError, match="one path segment"):
+        relax_gym.register_namespace("a/b", Echo, "prefix")
+
+
+def test_the_bundled_namespaces_name_their_envs_keyword():
+    assert relax_gym.spec("textarena/TicTacToe-v0").kwargs == {"game": "TicTacToe-v0"}
+    assert relax_gym.spec("gem/game:Sudoku-v0-easy").kwargs == {"gem_id": "game:Sudoku-v0-easy"}
+
+
 def test_gymnasium_make_works_for_registered_ids():
     relax_gym.register("test/Echo-v2", Echo)
     env = gymnasium.make("test/Echo-v2")
