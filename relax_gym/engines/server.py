@@ -79,6 +79,8 @@ from relax_gym.engines.base import (
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
 from relax_gym.engines.queue_share import QueueShare
+from relax_gym.engines.responses_api import ResponsesIn, from_chat, to_chat
+from relax_gym.engines.responses_api import stream_events as response_events
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import (
     MediaBudget,
@@ -690,9 +692,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
         return image_of
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionIn, request: Request) -> Any:
-        """OpenAI's chat completions on the served model (`relax_gym.engines.openai_api`)."""
+    async def completed(body: ChatCompletionIn, request: Request) -> dict[str, Any] | Response:
+        """The chat completion of `body` under the queue's share, or the answer that says why there is none."""
         hold = queue.take(body.n)
         if hold is None:
             return _queue_full(queue)
@@ -704,11 +705,26 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             queue.give_back(hold)
         if hold.displaced.is_set():
             return _displaced(queue, body.n)
-        if answer is None:
-            return Response(status_code=499)
-        if body.stream:
+        return Response(status_code=499) if answer is None else answer
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionIn, request: Request) -> Any:
+        """OpenAI's chat completions on the served model (`relax_gym.engines.openai_api`)."""
+        answer = await completed(body, request)
+        if body.stream and not isinstance(answer, Response):
             return StreamingResponse(stream_events(answer), media_type="text/event-stream")
         return answer
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesIn, request: Request) -> Any:
+        """OpenAI's Responses API, as a chat completion (`relax_gym.engines.responses_api`)."""
+        answer = await completed(to_chat(body), request)
+        if isinstance(answer, Response):
+            return answer
+        response = from_chat(answer, body)
+        if body.stream:
+            return StreamingResponse(response_events(response), media_type="text/event-stream")
+        return response
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

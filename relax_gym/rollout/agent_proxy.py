@@ -4,6 +4,8 @@ An agent program (its own code, an agent framework) calls `/s/{session}/v1/chat/
 `openai` client, as it would call any OpenAI-style API. The proxy renders the messages with the policy's chat
 template, generates on the rollout's engine, answers in OpenAI's shape (tool calls parsed by the model
 family's parser) and records every call's exact prompt and completion tokens, logprobs and policy versions.
+`/s/{session}/v1/responses` takes OpenAI's Responses API the same way: each call is translated to the chat call
+(`relax_gym.engines.responses_api`) and recorded as one, so Responses calls chain as chat calls do.
 
 Calls chain: when a call's messages are the previous call's, then the reply it got, then new messages (tool
 results, a user turn), its prompt is the previous tokens, the generated ones and the template delta of the
@@ -46,6 +48,8 @@ from relax_gym.engines.openai_api import (
     text_chars,
     to_messages,
 )
+from relax_gym.engines.responses_api import ResponsesIn, from_chat, to_chat
+from relax_gym.engines.responses_api import stream_events as response_events
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, image_reader
 from relax_gym.models import LoadedModel
@@ -208,9 +212,10 @@ class AgentProxy:
                           "total_tokens": len(request.input_ids) + len(out.output_ids)}}
 
     def app(self) -> Any:
-        """The ASGI app: /s/{session}/v1/chat/completions and /s/{session}/v1/models, behind the proxy's key."""
+        """The ASGI app: /s/{session}/v1/chat/completions, /s/{session}/v1/responses and /s/{session}/v1/models,
+        behind the proxy's key."""
         from fastapi import FastAPI
-        from fastapi.responses import StreamingResponse
+        from fastapi.responses import Response, StreamingResponse
 
         from relax_gym.web.errors import error_response, install_error_handlers
         from relax_gym.web.guard import Guard
@@ -222,19 +227,33 @@ class AgentProxy:
         async def _bad(request: Any, exc: RequestError) -> Any:
             return error_response(400, str(exc))
 
-        @app.post("/s/{sid}/v1/chat/completions")
-        async def chat(sid: str, body: ChatCompletionIn) -> Any:
+        async def completed(sid: str, body: ChatCompletionIn) -> dict[str, Any] | Response:
             try:
-                answer = await self.complete(sid, body)
+                return await self.complete(sid, body)
             except RequestError:
                 raise
             except Exception as err:  # the engine or the template failed this call: the agent sees why
                 if sid in self.sessions:
                     self.sessions[sid].error = f"{type(err).__name__}: {err}"
                 return error_response(500, f"{type(err).__name__}: {err}")
-            if body.stream:
+
+        @app.post("/s/{sid}/v1/chat/completions")
+        async def chat(sid: str, body: ChatCompletionIn) -> Any:
+            answer = await completed(sid, body)
+            if body.stream and not isinstance(answer, Response):
                 return StreamingResponse(stream_events(answer), media_type="text/event-stream")
             return answer
+
+        @app.post("/s/{sid}/v1/responses")
+        async def responses(sid: str, body: ResponsesIn) -> Any:
+            """The Responses API as a chat completion: the same call, recorded the same way."""
+            answer = await completed(sid, to_chat(body))
+            if isinstance(answer, Response):
+                return answer
+            response = from_chat(answer, body)
+            if body.stream:
+                return StreamingResponse(response_events(response), media_type="text/event-stream")
+            return response
 
         @app.get("/s/{sid}/v1/models")
         async def models(sid: str) -> dict[str, Any]:
