@@ -6,7 +6,7 @@ third-party packages). Entry points are strings, so registering imports no env
 module; each loads when its env is first made.
 """
 
-from relax_gym.env.registration import register
+from relax_gym.env.registration import register, register_namespace
 
 # An editable install puts the repo root on sys.path, where this folder is also `envs`: one name, one copy.
 if __name__ != "relax_gym.envs":
@@ -25,13 +25,25 @@ BUNDLED: dict[str, str] = {
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",
     "relax/ReasoningGym-v0": "relax_gym.envs.reasoning_gym:ReasoningGymEnv",
+    "relax/TextArena-v0": "relax_gym.envs.textarena:TextArenaEnv",
+    "relax/GEM-v0": "relax_gym.envs.gem:GemEnv",
+}
+
+#: ecosystems whose every game is an id: `textarena/TicTacToe-v0` is relax/TextArena-v0 with game="TicTacToe-v0",
+#: `gem/game:Sudoku-v0-easy` is relax/GEM-v0 with gem_id="game:Sudoku-v0-easy" (the GEM id verbatim)
+NAMESPACES: dict[str, tuple[str, str]] = {
+    "textarena": ("relax_gym.envs.textarena:TextArenaEnv", "game"),
+    "gem": ("relax_gym.envs.gem:GemEnv", "gem_id"),
 }
 
 
 def register_envs() -> None:
-    """Registers the bundled ids; calling it again re-registers the same specs, which changes nothing."""
+    """Registers the bundled ids and namespaces; calling it again re-registers the same specs, which changes
+    nothing."""
     for env_id, entry_point in BUNDLED.items():
         register(env_id, entry_point)
+    for namespace, (entry_point, keyword) in NAMESPACES.items():
+        register_namespace(namespace, entry_point, keyword)
 
 
 register_envs()

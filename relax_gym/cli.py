@@ -25,7 +25,7 @@ def _print_namespaces() -> None:
 
     for namespace, (entry, keyword) in sorted(namespaces.items()):
         where = entry if isinstance(entry, str) else getattr(entry, "__qualname__", repr(entry))
-        console.print(f"{namespace}/NAME  {escape(where)} with {keyword}=NAME", highlight=False, soft_wrap=True)
+        console.print(f"{namespace}/NAME  {escape(where)} with {keyword}=NAME", highlight=False)
 
 
 def cmd_envs(args: argparse.Namespace) -> int:

@@ -44,7 +44,7 @@ from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.rollout.metrics import reason_kind, reward_failures, status_breakdown
 from relax_gym.rollout.startup import EnvUse, check_run
-from relax_gym.trainer.algorithms import filter_uniform_groups, make_loss_fn, one_group_advantages
+from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages, make_loss_fn
 from relax_gym.trainer.backends.base import TrainBackend
 from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.checkpoint import CheckpointManager
@@ -96,14 +96,15 @@ def task_of_seed(run_seed: int, seed: int) -> int:
 
 
 def group_to_samples(group: Group, std_normalize: bool) -> list[Sample]:
-    """GRPO-style samples: advantages relative to the group's trainable episodes. An episode whose reward could not
-    be computed (a judge's `timeout` or `error`) is left out: its 0 is no judgement of the answer."""
+    """GRPO-style samples: advantages relative to the trainable episodes of the same group id (one id for a task's
+    episodes; one per seat for a self-play game's, `relax_gym.env.seats`). An episode whose reward could not be
+    computed (a judge's `timeout` or `error`) is left out: its 0 is no judgement of the answer."""
     usable = [t for t in group if t.status in TRAINABLE and t.num_generated > 0
               and t.metrics.get("reward_status", "ok") == "ok"]
     if not usable:
         return []
     rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)
-    advantages = one_group_advantages(rewards, std_normalize=std_normalize)
+    advantages = group_advantages(rewards, [t.group_id for t in usable], std_normalize=std_normalize)
     return [
         Sample(token_ids=t.token_ids, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
                advantage=float(a), mm_inputs=t.mm_inputs, versions=t.versions, routed_experts=t.routed_experts)
@@ -164,7 +165,7 @@ class Trainer:
                                "(nothing to replay); drop it or train an MoE model (e.g. tiny-moe)")
         r = cfg.rollout
         check_run(self.loaded, self._env_uses(), max_total_tokens=r.max_total_tokens, max_new_tokens=r.max_new_tokens,
-                  seed=self.task_seed(0))
+                  seed=self.task_seed(0), concurrency=r.concurrency)
         self.sampling = r.sampling_params()
         #: the thread every backend call runs in, placed by `cpu.trainer` (the engine has its own); with
         #: `trainer.own_process` it only waits on the trainer's process, which takes the placement itself
@@ -354,7 +355,9 @@ class Trainer:
     def _keep(self, group: Group) -> bool:
         if not self.algo.filter_uniform_groups:
             return True
-        return bool(filter_uniform_groups(torch.tensor([t.reward for t in group]), [0] * len(group)).all())
+        # a self-play game's seats are groups of their own: keep it while any seat's rewards differ
+        ids = [t.group_id for t in group]
+        return bool(filter_uniform_groups(torch.tensor([t.reward for t in group]), ids).any())
 
     def _check_engine(self, group: Group) -> None:
         """An engine that stayed away past its outage timeout ends the run (its tasks stay in the ledger)."""

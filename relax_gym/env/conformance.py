@@ -43,6 +43,7 @@ from relax_gym.env.registration import (
     spec,
     split_env_target,
 )
+from relax_gym.env.seats import SeatedGame
 from relax_gym.messages import MessageError, modalities, validate_messages
 from relax_gym.tools.formats import HERMES, ToolCallFormat
 
@@ -479,6 +480,60 @@ CHECKS: list[tuple[str, Callable[[Callable[[], Env]], str]]] = [
 ]
 
 
+def _play_seats(game: SeatedGame, seed: int, moves: list[str] | None = None) -> tuple[list[str], list[Any]]:
+    """Plays a self-play game from `seed` through its seats, on `moves` or else the game's scripted actions (the
+    first each time), up to MAX_STEPS * seats moves: (the moves, what each seat saw before each and the end)."""
+    game.reset_game(seed, None)
+    played: list[str] = []
+    seen: list[Any] = []
+    while (seat := game.seat_to_move()) is not None and len(played) < MAX_STEPS * game.policy_seats:
+        seen.append((seat, _rendered(game, game.observe(seat), f"observe({seat}) after {len(played)} moves")))
+        if moves is not None and len(played) >= len(moves):
+            break
+        move = moves[len(played)] if moves is not None else (scripted_actions(game) or [""])[0]
+        game.act(move)
+        played.append(move)
+    if game.seat_to_move() is None:
+        rewards = [float(r) for r in game.seat_rewards()]
+        _require(len(rewards) == game.policy_seats and all(math.isfinite(r) for r in rewards),
+                 f"seat_rewards() gave {rewards}, not a finite reward for each of {game.policy_seats} seats")
+        seen.append(("end", rewards))
+    return played, seen
+
+
+def check_seats(make_env: Callable[[], Env]) -> str:
+    """A self-play game plays through its seats, its observations render, and it ends with a reward a seat."""
+    game = make_env()
+    assert isinstance(game, SeatedGame)
+    played, seen = _play_seats(game, 0)
+    game.close()
+    if seen[-1][0] != "end":
+        raise NotExercised(f"the scripted moves did not end the game in {len(played)} moves")
+    return f"{len(played)} moves, seat rewards {seen[-1][1]}"
+
+
+def check_seated_replay(make_env: Callable[[], Env]) -> str:
+    """Two fresh games from one seed, the same moves: the same observations for every seat and the same rewards
+    (a group's games must start alike, or its seats' baselines compare different games)."""
+    first, second = make_env(), make_env()
+    assert isinstance(first, SeatedGame) and isinstance(second, SeatedGame)
+    played, seen = _play_seats(first, 1)
+    _, again = _play_seats(second, 1, played)
+    for index, (want, got) in enumerate(zip(seen, again, strict=False)):
+        if not data_equivalence(want, got):
+            raise CheckFailure(f"a fresh game from seed 1 replaying the same moves differs at observation {index} "
+                               f"({want[0]}): the seed does not name the game")
+    _require(len(seen) == len(again), f"replaying {len(played)} moves gave {len(again)} observations, not "
+             f"{len(seen)}")
+    return f"{len(played)} moves replayed"
+
+
+SEATED_CHECKS: list[tuple[str, Callable[[Callable[[], Env]], str]]] = [
+    ("self-play game plays through its seats", check_seats),
+    ("seeded replay in fresh games", check_seated_replay),
+]
+
+
 def run_checks(target: str, make_env: Callable[[], Env]) -> CheckReport:
     report = CheckReport(target)
     try:
@@ -489,8 +544,9 @@ def run_checks(target: str, make_env: Callable[[], Env]) -> CheckReport:
     if not isinstance(probe, Env):
         report.results.append(CheckResult("is a relax_gym.Env", FAILED, f"got {type(probe).__name__}"))
         return report
+    seated = isinstance(probe, SeatedGame) and probe.policy_seats > 1  # played through seats, not reset/step
     probe.close()
-    for name, check in CHECKS:
+    for name, check in SEATED_CHECKS if seated else CHECKS:
         try:
             detail = check(make_env)
             if name == "gymnasium.check_env" and detail:

@@ -9,10 +9,11 @@ an env exception makes a `failed` trajectory, an engine error or a timeout an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from relax_gym.engines.base import (
 from relax_gym.env.agent_env import AgentEnv
 from relax_gym.env.core import Env
 from relax_gym.env.registration import make
+from relax_gym.env.seats import GameEndedError, GameTable, SeatedGame, SeatView
 from relax_gym.messages import Message, text_content
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import experts_per_token, request_routes
@@ -81,6 +83,16 @@ class EnvPool:
         while self._idle:
             self._idle.pop().close()
 
+    def policy_seats(self) -> int:
+        """How many seats of each game the policy plays (`SeatedGame`); 1 for any other env, or one that cannot
+        be made (its episodes then record why)."""
+        try:
+            env = self.acquire()
+        except Exception:
+            return 1
+        self.release(env, healthy=True)
+        return env.policy_seats if isinstance(env, SeatedGame) else 1
+
 
 class RolloutManager:
     def __init__(
@@ -101,6 +113,8 @@ class RolloutManager:
         self.sampling = sampling or SamplingParams()
         self.limits = limits or RolloutLimits()
         self._slots = asyncio.Semaphore(max_concurrency)
+        #: held while a game takes a slot for each of its seats, so two games never each hold part of theirs
+        self._admission = asyncio.Lock()
         self.max_concurrency = max_concurrency
         self._threads_for: asyncio.AbstractEventLoop | None = None
         self._pools: dict[tuple[str, str], EnvPool] = {}
@@ -131,9 +145,13 @@ class RolloutManager:
     # --- public API -----------------------------------------------------------------
     async def run_group(self, env_id: str, seed: int, group_size: int, *,
                         env_kwargs: dict[str, Any] | None = None) -> list[Trajectory]:
-        """`group_size` episodes of the same task (same reset seed), for group-relative advantages."""
+        """`group_size` episodes of the same task (same reset seed), for group-relative advantages; of a
+        `SeatedGame`, `group_size` games, each seat an episode (see `relax_gym.env.seats`)."""
         pool = self.pool(env_id, env_kwargs)
         group_id = f"{env_id}#{seed}"
+        if pool.policy_seats() > 1:
+            games = await asyncio.gather(*(self.run_game(pool, seed, group_id, game) for game in range(group_size)))
+            return [t for seats in games for t in seats]
         episodes = await asyncio.gather(*(self.run_episode(pool, seed, group_id, member)
                                           for member in range(group_size)))
         return [t for samples in episodes for t in samples]
@@ -202,6 +220,55 @@ class RolloutManager:
                 pool.release(env, healthy=episode.status in ("completed", "truncated"))
             return [episode.trajectory()]
 
+    @contextlib.asynccontextmanager
+    async def _seat_slots(self, seats: int) -> AsyncIterator[None]:
+        """A concurrency slot for each seat of a game, all at once: seats wait on each other's moves, so a game
+        holding some slots while its other seats wait for more would never end."""
+        if seats > self.max_concurrency:
+            raise ValueError(f"a game of {seats} policy seats needs rollout.concurrency >= {seats} "
+                             f"(it is {self.max_concurrency}): its seats play at the same time")
+        held = 0
+        try:
+            async with self._admission:
+                for _ in range(seats):
+                    await self._slots.acquire()
+                    held += 1
+            yield
+        finally:
+            for _ in range(held):
+                self._slots.release()
+
+    async def run_game(self, pool: EnvPool, seed: int, group_id: str, game: int) -> list[Trajectory]:
+        """One game of a `SeatedGame`, each policy seat an episode with the group id `{group_id}@seat{N}` (its
+        own advantage baseline); a seat whose episode ends early ends the game for the others."""
+        self._ensure_threads()
+        try:
+            env = pool.acquire()
+        except Exception as err:
+            episode = _Episode(self, None, pool.env_id, seed, group_id, game)
+            episode.end("failed", f"env make raised {type(err).__name__}: {err}")
+            return [episode.trajectory()]
+        assert isinstance(env, SeatedGame)
+        seats = env.policy_seats
+        table = GameTable(env)
+        episodes = [_Episode(self, SeatView(table, seat), pool.env_id, seed, f"{group_id}@seat{seat}",
+                             game * seats + seat) for seat in range(seats)]
+
+        async def play(seat: int, episode: _Episode) -> None:
+            try:
+                await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
+            except TimeoutError:
+                episode.end("aborted", f"episode timed out after {self.limits.episode_timeout_s}s")
+            finally:
+                await table.leave(seat, episode.reason or str(episode.status))
+
+        try:
+            async with self._seat_slots(seats):
+                await asyncio.gather(*(play(seat, episode) for seat, episode in enumerate(episodes)))
+        finally:
+            pool.release(env, healthy=all(e.status in ("completed", "truncated") for e in episodes))
+        return [episode.trajectory() for episode in episodes]
+
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
@@ -234,6 +301,9 @@ class _Episode:
         start = time.perf_counter()
         try:
             return await coro
+        except GameEndedError as err:  # a self-play game another seat ended: nothing broke, nothing to train
+            self.end("truncated", str(err))
+            return None
         except Exception as err:
             frame = traceback.extract_tb(err.__traceback__)[-1]
             self.end("failed", f"env {what} raised {type(err).__name__}: {err} ({frame.filename}:{frame.lineno})")

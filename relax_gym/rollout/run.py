@@ -56,7 +56,7 @@ async def play_to_file(*, env_id: str, model: str | LoadedModel, n: int, out: st
     env_id = resolve_env_id(env_id)
     loaded = load_model(model) if isinstance(model, str) else model
     check_run(loaded, [EnvUse(env_id, env_kwargs or {}, "--env")], max_total_tokens=rollout.max_total_tokens,
-              max_new_tokens=rollout.max_new_tokens, seed=seed)
+              max_new_tokens=rollout.max_new_tokens, seed=seed, concurrency=rollout.concurrency)
     engine = make_engine(loaded, rollout, seed=seed)
     manager = RolloutManager(
         engine, loaded, sampling=rollout.sampling_params(), limits=rollout.limits(),

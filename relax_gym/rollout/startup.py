@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_gym.env.registration import make
+from relax_gym.env.seats import SeatedGame
 from relax_gym.errors import StartupError
 from relax_gym.models import LoadedModel
 from relax_gym.models.template_traits import template_traits
@@ -60,16 +61,22 @@ def check_model(loaded: LoadedModel) -> None:
 
 
 def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_new_tokens: int,
-              seed: int = 0) -> int:
-    """Builds, resets and renders `use`'s env once; returns its first prompt's length in tokens."""
+              seed: int = 0, concurrency: int | None = None) -> int:
+    """Builds, resets and renders `use`'s env once; returns its first prompt's length in tokens. A self-play game
+    (`SeatedGame`) is reset as the rollout manager resets it, and needs a concurrency slot for each seat."""
     label = f"{use.where} {use.env_id}" + (f" with kwargs {dict(use.kwargs)}" if use.kwargs else "")
     try:
         env = make(use.env_id, **use.kwargs)
     except Exception as err:
         raise StartupError(f"{label}: cannot be made: {_one_line(err)}") from err
+    game = env if isinstance(env, SeatedGame) and env.policy_seats > 1 else None
+    seats = game.policy_seats if game is not None else 1
     try:
+        if concurrency is not None and seats > concurrency:
+            raise StartupError(f"{label}: its games seat the policy {seats} times, and the seats play at once: "
+                               f"rollout.concurrency must be >= {seats}, got {concurrency}")
         try:
-            observation, _ = env.reset(seed=seed)
+            observation = _first_observation(game, seed) if game is not None else env.reset(seed=seed)[0]
             messages = env.format_observation(observation)
         except Exception as err:
             raise StartupError(f"{label}: reset(seed={seed}) raised {_one_line(err)}") from err
@@ -94,10 +101,20 @@ def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_ne
     return prompt
 
 
+def _first_observation(game: SeatedGame, seed: int) -> Any:
+    """The first seat to move's first observation of a self-play game."""
+    game.reset_game(seed, None)
+    seat = game.seat_to_move()
+    if seat is None:
+        raise ValueError("the game was over before its first move")
+    return game.observe(seat)
+
+
 def check_run(loaded: LoadedModel, uses: Iterable[EnvUse], *, max_total_tokens: int, max_new_tokens: int,
-              seed: int = 0) -> dict[str, int]:
+              seed: int = 0, concurrency: int | None = None) -> dict[str, int]:
     """`check_model`, then `check_env` for each use; returns each use's first prompt length."""
     check_model(loaded)
     return {f"{u.where} {u.env_id}": check_env(loaded, u, max_total_tokens=max_total_tokens,
-                                                max_new_tokens=max_new_tokens, seed=seed)
+                                                max_new_tokens=max_new_tokens, seed=seed,
+                                                concurrency=concurrency)
             for u in uses}

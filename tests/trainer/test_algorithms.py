@@ -20,7 +20,6 @@ from relax_gym.trainer.algorithms import (
     importance_mask,
     kl_penalty,
     make_loss_fn,
-    one_group_advantages,
     sapo_token_loss,
     truncated_importance_weights,
 )
@@ -75,13 +74,9 @@ def test_group_advantages_tensor_ids_interleaved_and_singleton() -> None:
     close(group_advantages(torch.tensor([1, 5, 3, 0]), [7, 3, 7, 9], std_normalize=False), [-1, 0, 1, 0])
 
 
-def test_one_group_advantages_equal_group_advantages_with_one_id() -> None:
-    rewards = t([2, 4, 6, 1])
-    for std_normalize in (True, False):
-        expected = group_advantages(rewards, [0] * 4, std_normalize=std_normalize)
-        assert torch.equal(one_group_advantages(rewards, std_normalize=std_normalize), expected)
-    close(one_group_advantages(torch.tensor([3]), std_normalize=True), [0])  # one sample: advantage 0
-    assert one_group_advantages(t([])).numel() == 0
+def test_group_advantages_of_one_sample_or_none() -> None:
+    close(group_advantages(torch.tensor([3]), ["task"], std_normalize=True), [0])  # one sample: advantage 0
+    assert group_advantages(t([]), []).numel() == 0
 
 
 def test_group_advantages_rejects_length_mismatch() -> None:

@@ -3,7 +3,7 @@
 `make_loss_fn(AlgorithmConfig(...))` composes them into the `LossFn` a backend trains with.
 """
 
-from relax_gym.trainer.algorithms.advantages import filter_uniform_groups, group_advantages, one_group_advantages
+from relax_gym.trainer.algorithms.advantages import filter_uniform_groups, group_advantages
 from relax_gym.trainer.algorithms.aggregate import AGGREGATIONS, Aggregation, aggregate, masked
 from relax_gym.trainer.algorithms.corrections import importance_mask, truncated_importance_weights
 from relax_gym.trainer.algorithms.loss_fn import Algorithm, AlgorithmConfig, make_loss_fn, sft_loss_fn
@@ -34,7 +34,6 @@ __all__ = [
     "kl_penalty",
     "make_loss_fn",
     "masked",
-    "one_group_advantages",
     "sapo_token_loss",
     "sft_loss_fn",
     "truncated_importance_weights",

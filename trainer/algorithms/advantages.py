@@ -35,13 +35,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: GroupIds, *, std_normaliz
     return _relative(rewards, index, n_groups, std_normalize=std_normalize, eps=eps)
 
 
-def one_group_advantages(rewards: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """`group_advantages` for rewards that all belong to one group (e.g. one task's episodes)."""
-    rewards = rewards if rewards.is_floating_point() else rewards.float()
-    n = rewards.numel()
-    return _relative(rewards, torch.zeros(n, dtype=torch.long), 1 if n else 0, std_normalize=std_normalize, eps=eps)
-
-
 def _relative(rewards: torch.Tensor, index: torch.Tensor, n_groups: int, *, std_normalize: bool,
               eps: float) -> torch.Tensor:
     """Each reward minus its group's mean (over `index`, dense in [0, n_groups)), over the group's std if asked."""
