@@ -25,6 +25,7 @@ BUNDLED: dict[str, str] = {
     "relax/Countdown-v0": "relax_gym.envs.procedural:CountdownEnv",
     "relax/GuessNumber-v0": "relax_gym.envs.procedural:GuessNumberEnv",
     "relax/ReasoningGym-v0": "relax_gym.envs.reasoning_gym:ReasoningGymEnv",
+    "relax/NeMoGym-v0": "relax_gym.envs.nemo_gym:NeMoGymEnv",
     "relax/TextArena-v0": "relax_gym.envs.textarena:TextArenaEnv",
     "relax/GEM-v0": "relax_gym.envs.gem:GemEnv",
 }

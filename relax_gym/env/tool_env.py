@@ -11,6 +11,9 @@ rollout manager sets the format of its model's family (`relax_gym.tools.tool_for
 on an env not built with a `tool_format` of its own. `grade` gets the reply's content, without its
 reasoning (a `<think>` block, harmony's analysis channel) and tool-call markup.
 
+A task may bring tools of its own (`task_tools`: a NeMo Gym or verifiers row carries
+its tool schemas), offered beside the class's for that episode only.
+
 A turn's tool calls are bounded, since the model writes them: at most
 `max_tool_calls_per_turn` run, and all of them share a `step_timeout_s` budget.
 Calls to tools marked `@tool(concurrent=True)` run at the same time; the rest run
@@ -28,7 +31,7 @@ from typing import Any
 from relax_gym.env.core import StepResult
 from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.messages import Message, message, text
-from relax_gym.tools import ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
+from relax_gym.tools import SchemaTool, Tool, ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
 from relax_gym.tools.formats import HERMES, make_call_id
 
 
@@ -75,10 +78,27 @@ class ToolEnv(SingleTurnEnv):
         """The tools to offer: by default every method marked with `@tool` (the class's `tool_names`)."""
         return [getattr(self, n) for n in self.tool_names]
 
+    def task_tools(self, task: Any) -> list[Tool | SchemaTool]:
+        """Tools `task` brings besides the class's, for its episode only (e.g. a `SchemaTool` per schema a data
+        row lists); none by default. Called at reset and again when a snapshot is restored."""
+        return []
+
     # --- the loop -----------------------------------------------------------------
     @property
+    def episode_tools(self) -> ToolSet:
+        """The running episode's tools: the class's, plus its task's."""
+        task = self.task
+        if task is None:
+            return self.toolset
+        if getattr(self, "_tools_of", None) is not task:  # built once per task object, so also after `set_state`
+            extra = self.task_tools(task)
+            self._episode_toolset = ToolSet([*self.toolset.tools.values(), *extra]) if extra else self.toolset
+            self._tools_of = task
+        return self._episode_toolset
+
+    @property
     def tool_schemas(self) -> list[dict[str, Any]]:
-        return self.toolset.schemas
+        return self.episode_tools.schemas
 
     def _start_episode(self, task: Any) -> dict[str, Any]:
         return {**super()._start_episode(task), "turn": 0, "tool_calls": 0, "tool_successes": 0, "tool_errors": 0}
@@ -132,19 +152,20 @@ class ToolEnv(SingleTurnEnv):
         """
         results: list[ToolResult | None] = [None] * len(calls)
         expired = threading.Event()
+        tools = self.episode_tools
 
         def run(indices: list[int]) -> None:
             for i in indices:
                 if expired.is_set():
                     return
                 try:
-                    results[i] = self.toolset.execute(calls[i])
+                    results[i] = tools.execute(calls[i])
                 except BaseException as err:  # Tool catches Exception; SystemExit and the like end up here
                     failed = f"Error: {calls[i].name} failed: {type(err).__name__}"
                     results[i] = ToolResult([text(failed)], is_error=True)
 
-        ordered = [i for i, call in enumerate(calls) if not self.toolset.concurrent(call)]
-        groups = [[i] for i, call in enumerate(calls) if self.toolset.concurrent(call)] + ([ordered] if ordered else [])
+        ordered = [i for i, call in enumerate(calls) if not tools.concurrent(call)]
+        groups = [[i] for i, call in enumerate(calls) if tools.concurrent(call)] + ([ordered] if ordered else [])
         threads = [threading.Thread(target=run, args=(g,), name="relax_gym-tool", daemon=True) for g in groups]
         deadline = time.monotonic() + self.step_timeout_s
         for thread in threads:

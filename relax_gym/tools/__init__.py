@@ -15,11 +15,14 @@ from relax_gym.tools.formats import (
 )
 from relax_gym.tools.function_tool import (
     TOOL_MARK,
+    SchemaTool,
     Tool,
     ToolDefinitionError,
     ToolError,
     ToolResult,
     ToolSet,
+    function_schema,
+    http_handler,
     to_parts,
     tool,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "MistralFormat",
     "ParsedTurn",
     "ResponseTemplateFormat",
+    "SchemaTool",
     "Tool",
     "ToolCall",
     "ToolCallFormat",
@@ -44,7 +48,9 @@ __all__ = [
     "ToolResult",
     "ToolSet",
     "detect_family",
+    "function_schema",
     "get_tool_format",
+    "http_handler",
     "parse_tool_calls",
     "to_parts",
     "tool",

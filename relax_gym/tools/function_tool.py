@@ -1,9 +1,14 @@
-"""Typed Python functions as tools.
+"""Typed Python functions as tools, and tools a task brings as JSON schemas.
 
 The JSON schema comes from type hints and the Google-style docstring through
 `transformers.utils.get_json_schema`, the same function chat templates use, and
 arguments are validated and coerced by pydantic against the same hints, so the
 schema the model sees and the check its call meets cannot drift apart.
+
+A `SchemaTool` goes the other way: the schema is given (a NeMo Gym or verifiers
+row carries its own tools), the arguments are checked against it with
+`jsonschema`, and a handler (a callable, or `http_handler`'s POST to a route)
+runs the call.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
+import httpx
+import jsonschema
 import numpy as np
 import pydantic
 from PIL import Image
@@ -127,13 +134,71 @@ def to_parts(value: Any) -> list[Part]:
         return [text(repr(value))]
 
 
+def function_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The `function` part of a tool schema in any of the shapes in use: chat completions' `{"type": "function",
+    "function": {...}}`, the Responses API's flat `{"type": "function", "name", "parameters"}`, or a bare
+    `{"name", "parameters"}`."""
+    function = schema.get("function", schema)
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ToolDefinitionError(f"a tool schema needs a name: {json.dumps(schema)[:200]}")
+    kept = {k: function[k] for k in ("name", "description", "parameters", "strict") if function.get(k) is not None}
+    kept.setdefault("parameters", {"type": "object", "properties": {}})
+    try:
+        jsonschema.validators.validator_for(kept["parameters"]).check_schema(kept["parameters"])
+    except jsonschema.SchemaError as err:
+        raise ToolDefinitionError(f"tool {kept['name']!r}: its parameters are no JSON schema: {err.message}") from err
+    return kept
+
+
+class SchemaTool:
+    """A tool given by its JSON schema, run by `handler(arguments)`: a task's own tools, which no `@tool` method
+    of the env's class can declare. Arguments are checked against the schema's `parameters` first."""
+
+    def __init__(self, schema: dict[str, Any], handler: Callable[[dict[str, Any]], Any], *,
+                 concurrent: bool = False):
+        function = function_schema(schema)
+        self.name: str = function["name"]
+        self.schema: dict[str, Any] = {"type": "function", "function": function}
+        self.handler, self.concurrent = handler, concurrent
+        self._validator = jsonschema.validators.validator_for(function["parameters"])(function["parameters"])
+
+    def __call__(self, **arguments: Any) -> ToolResult:
+        problems = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        if problems:
+            where = ".".join(str(p) for p in problems[0].absolute_path) or "arguments"
+            return _error(f"{self.name}: invalid arguments: {where}: {problems[0].message}")
+        try:
+            value = self.handler(arguments)
+        except ToolError as err:
+            return _error(f"{self.name}: {err}")
+        except Exception as err:
+            return _error(f"{self.name} failed: {type(err).__name__}: {err}")
+        return ToolResult(to_parts(value))
+
+
+def http_handler(url: str, client: httpx.Client) -> Callable[[dict[str, Any]], Any]:
+    """A `SchemaTool` handler that POSTs the arguments as JSON to `url` and returns the answer (JSON when it is
+    JSON, else its text); an error status becomes the tool's error, with the server's words."""
+
+    def call(arguments: dict[str, Any]) -> Any:
+        answer = client.post(url, json=arguments)
+        if answer.is_error:
+            raise ToolError(f"{url} answered {answer.status_code}: {answer.text[:300]}")
+        try:
+            return answer.json()
+        except ValueError:
+            return answer.text
+
+    return call
+
+
 class ToolSet:
     """The tools of one env, looked up by name."""
 
-    def __init__(self, fns: Iterable[Callable[..., Any] | Tool]):
-        self.tools: dict[str, Tool] = {}
+    def __init__(self, fns: Iterable[Callable[..., Any] | Tool | SchemaTool]):
+        self.tools: dict[str, Tool | SchemaTool] = {}
         for fn in fns:
-            t = fn if isinstance(fn, Tool) else Tool(fn)
+            t = fn if isinstance(fn, Tool | SchemaTool) else Tool(fn)
             if t.name in self.tools:
                 raise ToolDefinitionError(f"two tools are named {t.name!r}")
             self.tools[t.name] = t

@@ -287,7 +287,7 @@ def test_the_custom_env_code_in_the_docs_is_the_examples(page):
 
 
 #: envs that need a server to exist: checked where one runs (test_remote_env, test_judge)
-NEED_A_SERVER = {"relax/Remote-v0", "relax/JudgedQA-v0"}
+NEED_A_SERVER = {"relax/Remote-v0", "relax/JudgedQA-v0", "relax/NeMoGym-v0"}
 
 
 @pytest.mark.parametrize("env_id", sorted(set(BUNDLED) - NEED_A_SERVER))

@@ -282,3 +282,48 @@ def test_tool_marks():
         "block": True, "hang": False, "leave": True, "meet": True, "ordered": False,
     }  # fmt: skip
     assert Lookup().toolset.tools["value"].concurrent is False
+
+
+class RowTools(Lookup):
+    """Each task brings a tool of its own (as NeMo Gym and verifiers rows do), beside the class's `value`."""
+
+    def new_task(self, rng, options):
+        return {**super().new_task(rng, options), "unit": ["cm", "kg", "s"][int(rng.integers(3))]}
+
+    def task_tools(self, task):
+        from relax_gym.tools import SchemaTool
+
+        schema = {"type": "function", "name": f"in_{task['unit']}", "description": "Converts a value.",
+                  "parameters": {"type": "object", "properties": {"value": {"type": "integer", "minimum": 0}},
+                                 "required": ["value"], "additionalProperties": False}}
+        return [SchemaTool(schema, lambda arguments: f"{arguments['value']} {task['unit']}")]
+
+
+def test_a_tasks_own_tools_are_offered_and_run_for_its_episode_only():
+    env = RowTools()
+    env.reset(seed=0)
+    unit = env.task["unit"]
+    names = [s["function"]["name"] for s in env.tool_schemas]
+    assert names == ["value", f"in_{unit}"]  # the class's tools, then the task's
+    converted = "<tool_call>" + json.dumps({"name": f"in_{unit}", "arguments": {"value": 3}}) + "</tool_call>"
+    obs = env.step(converted)[0]
+    assert obs[0]["content"][0]["text"] == f"3 {unit}"
+    bad = converted.replace('"value": 3', '"value": -1')
+    assert "invalid arguments: value: -1 is less than the minimum of 0" in env.step(bad)[0][0]["content"][0]["text"]
+    other = next(seed for seed in range(1, 50) if _unit(seed) != unit)
+    env.reset(seed=other)
+    assert [s["function"]["name"] for s in env.tool_schemas] == ["value", f"in_{_unit(other)}"]
+
+
+def _unit(seed: int) -> str:
+    env = RowTools()
+    env.reset(seed=seed)
+    return env.task["unit"]
+
+
+def test_a_restored_snapshot_offers_its_tasks_tools():
+    env, other = RowTools(), RowTools()
+    env.reset(seed=0)
+    other.reset(seed=next(s for s in range(1, 50) if _unit(s) != env.task["unit"]))
+    other.set_state(env.get_state())
+    assert other.tool_schemas == env.tool_schemas
