@@ -28,6 +28,8 @@ BUNDLED: dict[str, str] = {
     "relax/NeMoGym-v0": "relax_gym.envs.nemo_gym:NeMoGymEnv",
     "relax/TextArena-v0": "relax_gym.envs.textarena:TextArenaEnv",
     "relax/GEM-v0": "relax_gym.envs.gem:GemEnv",
+    "relax/Verifiers-v0": "relax_gym.envs.verifiers_env:VerifiersEnv",
+    "relax/OpenEnv-v0": "relax_gym.envs.openenv:OpenEnvEnv",
 }
 
 #: ecosystems whose every game is an id: `textarena/TicTacToe-v0` is relax/TextArena-v0 with game="TicTacToe-v0",

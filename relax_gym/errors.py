@@ -44,14 +44,19 @@ defines it and, in brackets, a shorter path that re-exports it
           RequestError              relax_gym.engines.base [relax_gym.engines]
           ScriptError               relax_gym.engines.scripted [relax_gym.engines]
         EpisodeOverError            relax_gym.env.core [relax_gym]
+        GameEndedError              relax_gym.env.seats  (a self-play game ended before this seat moved)
         JudgeRefusedError           relax_gym.rewards.judge  (the judge refused the key: not retried)
+        OpenEnvError                relax_gym.envs.openenv  (the OpenEnv server is unreachable or answered an error)
+          OpenEnvCapacityError      relax_gym.envs.openenv  (all its max_concurrent_envs sessions are open)
         PlacementError              relax_gym.trainer.cluster.placement  (no room for a role's reservation)
         RemoteEnvError              relax_gym.env.remote_env [relax_gym]  (the env server is unreachable or refused)
         RunStopped                  relax_gym.errors  (the CLI's exit 1)
           TrainerProcessError       relax_gym.trainer.backends.process  (trainer.own_process: the child died)
         SandboxError                relax_gym.sandbox.result [relax_gym.sandbox]
           SandboxUnavailableError   relax_gym.sandbox.result [relax_gym.sandbox]
+        StalledGame                 relax_gym.envs.textarena  (the scripted seats never gave the policy its turn)
         TrainerLost                 relax_gym.trainer.cluster.ray_handles  (the controller restarts the trainer)
+        VerifiersError              relax_gym.envs.verifiers_env  (verifiers recorded the episode as failed)
         WorkerError                 relax_gym.rewards._pool  (private: the reward pool's worker broke)
     Warning
       RuntimeWarning

@@ -4,7 +4,8 @@
 # so the sandbox and viewer tests run against the real engine and browser; elsewhere they skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh test,reasoning-gym,gem,textarena,megatron,ray
+bash scripts/setup_venv.sh test,reasoning-gym,gem,textarena,openenv,verifiers,megatron,ray
+bash scripts/setup_openenv_venv.sh  # OpenEnv's servers, which the relax/OpenEnv-v0 tests start
 . .venv/bin/activate
 if [ "$(id -u)" = 0 ]; then
   export "$(bash scripts/start_podman.sh | tail -n 1)"

@@ -63,7 +63,9 @@ def check_model(loaded: LoadedModel) -> None:
 def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_new_tokens: int,
               seed: int = 0, concurrency: int | None = None) -> int:
     """Builds, resets and renders `use`'s env once; returns its first prompt's length in tokens. A self-play game
-    (`SeatedGame`) is reset as the rollout manager resets it, and needs a concurrency slot for each seat."""
+    (`SeatedGame`) is reset as the rollout manager resets it, and needs a concurrency slot for each seat; an env
+    with `check_capacity(n)` (its episodes hold a server's sessions, as relax/OpenEnv-v0's) is asked for
+    `concurrency` of them at once."""
     label = f"{use.where} {use.env_id}" + (f" with kwargs {dict(use.kwargs)}" if use.kwargs else "")
     try:
         env = make(use.env_id, **use.kwargs)
@@ -75,6 +77,12 @@ def check_env(loaded: LoadedModel, use: EnvUse, *, max_total_tokens: int, max_ne
         if concurrency is not None and seats > concurrency:
             raise StartupError(f"{label}: its games seat the policy {seats} times, and the seats play at once: "
                                f"rollout.concurrency must be >= {seats}, got {concurrency}")
+        capacity = getattr(env, "check_capacity", None)  # an env whose episodes hold a server's sessions
+        if concurrency is not None and callable(capacity):
+            try:
+                capacity(concurrency)
+            except Exception as err:
+                raise StartupError(f"{label}: {_one_line(err)}") from err
         try:
             observation = _first_observation(game, seed) if game is not None else env.reset(seed=seed)[0]
             messages = env.format_observation(observation)

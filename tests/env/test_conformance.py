@@ -287,13 +287,15 @@ def test_the_custom_env_code_in_the_docs_is_the_examples(page):
 
 
 #: envs that need a server to exist: checked where one runs (test_remote_env, test_judge)
-NEED_A_SERVER = {"relax/Remote-v0", "relax/JudgedQA-v0", "relax/NeMoGym-v0"}
+NEED_A_SERVER = {"relax/Remote-v0", "relax/JudgedQA-v0", "relax/NeMoGym-v0", "relax/OpenEnv-v0"}
 
 
 @pytest.mark.parametrize("env_id", sorted(set(BUNDLED) - NEED_A_SERVER))
 def test_every_bundled_env_passes_relax_gym_check(capsys, env_id):
     if env_id == "relax/ReasoningGym-v0":
         pytest.importorskip("reasoning_gym")
+    if env_id == "relax/Verifiers-v0":
+        pytest.importorskip("verifiers.v1")
     assert main(["check", env_id, "--json"]) == 0, capsys.readouterr().out
     (report,) = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["target"] == env_id

@@ -8,4 +8,5 @@ tests/ on sys.path).
 - `support.families`: chat templates, tokenizers and tiny checkpoints of the major model families.
 - `support.megatron_scripts`: the Megatron checks, also run under `torch.distributed.run`.
 - `support/fake_sglang_server.py`: a named fake of SGLang's launch command, run as a process by its path.
+- `support/openenv_servers.py`: small envs served by OpenEnv's own server, run as processes of `.venv-openenv`.
 """

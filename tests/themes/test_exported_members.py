@@ -20,6 +20,7 @@ EXPORTED = [
     "list_envs",
     "make",
     "register",
+    "register_namespace",
     "registry",
     "spec",
     "tool",
