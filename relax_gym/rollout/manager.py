@@ -242,31 +242,31 @@ class RolloutManager:
         """One game of a `SeatedGame`, each policy seat an episode with the group id `{group_id}@seat{N}` (its
         own advantage baseline); a seat whose episode ends early ends the game for the others."""
         self._ensure_threads()
-        try:
-            env = pool.acquire()
-        except Exception as err:
-            episode = _Episode(self, None, pool.env_id, seed, group_id, game)
-            episode.end("failed", f"env make raised {type(err).__name__}: {err}")
-            return [episode.trajectory()]
-        assert isinstance(env, SeatedGame)
-        seats = env.policy_seats
-        table = GameTable(env)
-        episodes = [_Episode(self, SeatView(table, seat), pool.env_id, seed, f"{group_id}@seat{seat}",
-                             game * seats + seat) for seat in range(seats)]
-
-        async def play(seat: int, episode: _Episode) -> None:
+        seats = pool.policy_seats()
+        async with self._seat_slots(seats):
             try:
-                await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
-            except TimeoutError:
-                episode.end("aborted", f"episode timed out after {self.limits.episode_timeout_s}s")
-            finally:
-                await table.leave(seat, episode.reason or str(episode.status))
+                env = pool.acquire()
+            except Exception as err:
+                episode = _Episode(self, None, pool.env_id, seed, group_id, game)
+                episode.end("failed", f"env make raised {type(err).__name__}: {err}")
+                return [episode.trajectory()]
+            assert isinstance(env, SeatedGame)
+            table = GameTable(env)
+            episodes = [_Episode(self, SeatView(table, seat), pool.env_id, seed, f"{group_id}@seat{seat}",
+                                 game * seats + seat) for seat in range(seats)]
 
-        try:
-            async with self._seat_slots(seats):
+            async def play(seat: int, episode: _Episode) -> None:
+                try:
+                    await asyncio.wait_for(episode.play(), timeout=self.limits.episode_timeout_s)
+                except TimeoutError:
+                    episode.end("aborted", f"episode timed out after {self.limits.episode_timeout_s}s")
+                finally:
+                    await table.leave(seat, episode.reason or str(episode.status))
+
+            try:
                 await asyncio.gather(*(play(seat, episode) for seat, episode in enumerate(episodes)))
-        finally:
-            pool.release(env, healthy=all(e.status in ("completed", "truncated") for e in episodes))
+            finally:
+                pool.release(env, healthy=all(e.status in ("completed", "truncated") for e in episodes))
         return [episode.trajectory() for episode in episodes]
 
     async def close(self) -> None:
