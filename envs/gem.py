@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
-import json
 import logging
 import random
 import threading
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from relax_gym.env.core import Env, EpisodeState, StepResult
+from relax_gym.env.env_wire import plain
 from relax_gym.env.spaces import MessageSpace
 from relax_gym.messages import Message, message
 
@@ -82,18 +82,6 @@ def make_gem(gem_id: str, kwargs: dict[str, Any]) -> Any:
         hint = f"close matches: {', '.join(close)}" if close else f"gem.print_envs() lists its {len(registry)} ids"
         raise ValueError(f"GEM has no env {gem_id!r}; {hint}")
     return isolated(lambda: gem.make(gem_id, **kwargs))[0]  # some games reset (and draw) in __init__
-
-
-def _json_safe(info: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-serialisable entries of GEM's `info` (trajectories are JSONL)."""
-    out = {}
-    for key, value in info.items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue
-        out[str(key)] = value
-    return out
 
 
 class GemEnv(EpisodeState, Env[list[Message]]):
@@ -166,4 +154,4 @@ class GemEnv(EpisodeState, Env[list[Message]]):
 
     def _info(self, info: dict[str, Any]) -> dict[str, Any]:
         return {"gem_id": self.gem_id, "turn": self.episode["turn"], "gem_seed": self.episode["gem_seed"],
-                "gem_info": _json_safe(info)}
+                "gem_info": plain(info)}

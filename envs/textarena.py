@@ -18,7 +18,6 @@ GRPO group, the rollout manager's threads) never move each other's games.
 from __future__ import annotations
 
 import difflib
-import json
 import random
 import re
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from relax_gym.env.core import Env, EpisodeState, StepResult
+from relax_gym.env.env_wire import plain
 from relax_gym.env.seats import SeatedGame
 from relax_gym.env.spaces import MessageSpace
 from relax_gym.messages import Message, message
@@ -136,10 +136,6 @@ def render(seat: int, observation: list[TAMessage], names: Mapping[int, str]) ->
             continue
         lines.append(text.strip() if sender == ta.GAME_ID else f"[{names.get(sender, sender)}] {text.strip()}")
     return "\n\n".join(line for line in lines if line)
-
-
-def _json_safe(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 class TextArenaEnv(EpisodeState, SeatedGame):
@@ -262,7 +258,7 @@ class TextArenaEnv(EpisodeState, SeatedGame):
         reward = rewards.get(self.seat, 0.0)
         reason = str(mine.get("reason", "")) or None
         result = RewardResult(reward, detail=reason)
-        info |= {"rewards": {str(s): r for s, r in rewards.items()}, "game_info": _json_safe(game_info),
+        info |= {"rewards": {str(s): r for s, r in rewards.items()}, "game_info": plain(game_info),
                  "reward": result.to_info()}
         ending = f"The game is over. {reason or ''} Your reward: {reward:g}.".replace("  ", " ")
         return [message("user", f"{text}\n\n{ending}" if text else ending)], reward, True, False, info

@@ -131,17 +131,22 @@ def _with_room(old: torch.Tensor, kept: int, new: torch.Tensor, needed: int) -> 
     """A buffer shaped like `new` with room for `needed` positions and half as many again (at least 64), its
     first `kept` positions copied from `old`."""
     batch, heads, _, dim = new.shape
-    buffer = new.new_empty(batch, heads, needed + max(64, needed // 2), dim)
+    buffer = new.new_empty(batch, heads, _roomy(needed), dim)
     if kept:
         buffer[:, :, :kept] = old
     return buffer
+
+
+def _roomy(length: int) -> int:
+    """Positions a buffer holding `length` gets: half as many again, at least 64, so it grows rarely."""
+    return length + max(64, length // 2)
 
 
 def _rows_with_room(old: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
     """`old[rows, :, start:]` written into the front of a buffer with room, as `_with_room` sizes it."""
     _, heads, held, dim = old.shape
     length = held - start
-    buffer = old.new_empty(len(rows), heads, length + max(64, length // 2), dim)
+    buffer = old.new_empty(len(rows), heads, _roomy(length), dim)
     torch.index_select(old[:, :, start:], 0, rows, out=buffer[:, :, :length])
     return buffer
 

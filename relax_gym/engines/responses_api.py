@@ -221,6 +221,20 @@ def from_chat(completion: dict[str, Any], body: ResponsesIn) -> dict[str, Any]:
     }
 
 
+def respond(answer: Any, body: ResponsesIn) -> Any:
+    """What a `/v1/responses` route answers: the chat path's refusal (a `Response`) as it is, else the Responses
+    object of its completion, as server-sent events when `body` streams. The agent proxy and `relax-gym serve`
+    both answer through this."""
+    from fastapi.responses import Response, StreamingResponse
+
+    if isinstance(answer, Response):
+        return answer
+    response = from_chat(answer, body)
+    if body.stream:
+        return StreamingResponse(stream_events(response), media_type="text/event-stream")
+    return response
+
+
 def stream_events(response: dict[str, Any]) -> Iterator[str]:
     """A finished response as Responses' server-sent events: created, each output item added, its text or
     arguments in one delta, done, then completed (or incomplete)."""

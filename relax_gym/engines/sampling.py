@@ -67,10 +67,10 @@ class RowSampler:
         output (the chosen token's logprob is its logit less the logsumexp)."""
         temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
         allowed = raw if self.never is None else raw.index_fill(1, self.never, -torch.inf)
-        tokens = allowed.argmax(dim=-1) if self.any_greedy else torch.zeros(len(raw), dtype=torch.long,
-                                                                               device=raw.device)
         scaled = raw if self.unit_temperature else raw / temperature
-        if not self.all_greedy:
+        if self.all_greedy:
+            tokens = allowed.argmax(dim=-1)
+        else:
             choice = allowed if self.unit_temperature else allowed / temperature
             kept = top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
             probs = kept.softmax(dim=-1)
@@ -87,6 +87,6 @@ class RowSampler:
             stray = probs.gather(1, drawn[:, None]).squeeze(1) == 0
             if stray.any():
                 drawn[stray] = probs[stray].argmax(dim=-1)
-            tokens = torch.where(self.greedy, tokens, drawn)
+            tokens = torch.where(self.greedy, allowed.argmax(dim=-1), drawn) if self.any_greedy else drawn
         logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(dim=-1)
         return tokens, logprobs

@@ -79,8 +79,7 @@ from relax_gym.engines.base import (
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device
 from relax_gym.engines.openai_api import ChatCompletionIn, chat_completion, stream_events
 from relax_gym.engines.queue_share import QueueShare
-from relax_gym.engines.responses_api import ResponsesIn, from_chat, to_chat
-from relax_gym.engines.responses_api import stream_events as response_events
+from relax_gym.engines.responses_api import ResponsesIn, respond, to_chat
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import (
     MediaBudget,
@@ -718,13 +717,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     @app.post("/v1/responses")
     async def responses(body: ResponsesIn, request: Request) -> Any:
         """OpenAI's Responses API, as a chat completion (`relax_gym.engines.responses_api`)."""
-        answer = await completed(to_chat(body), request)
-        if isinstance(answer, Response):
-            return answer
-        response = from_chat(answer, body)
-        if body.stream:
-            return StreamingResponse(response_events(response), media_type="text/event-stream")
-        return response
+        return respond(await completed(to_chat(body), request), body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

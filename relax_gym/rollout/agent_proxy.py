@@ -48,8 +48,7 @@ from relax_gym.engines.openai_api import (
     text_chars,
     to_messages,
 )
-from relax_gym.engines.responses_api import ResponsesIn, from_chat, to_chat
-from relax_gym.engines.responses_api import stream_events as response_events
+from relax_gym.engines.responses_api import ResponsesIn, respond, to_chat
 from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.engines.server_media import MediaError, image_reader
 from relax_gym.models import LoadedModel
@@ -247,13 +246,7 @@ class AgentProxy:
         @app.post("/s/{sid}/v1/responses")
         async def responses(sid: str, body: ResponsesIn) -> Any:
             """The Responses API as a chat completion: the same call, recorded the same way."""
-            answer = await completed(sid, to_chat(body))
-            if isinstance(answer, Response):
-                return answer
-            response = from_chat(answer, body)
-            if body.stream:
-                return StreamingResponse(response_events(response), media_type="text/event-stream")
-            return response
+            return respond(await completed(sid, to_chat(body)), body)
 
         @app.get("/s/{sid}/v1/models")
         async def models(sid: str) -> dict[str, Any]:

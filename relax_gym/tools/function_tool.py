@@ -102,11 +102,16 @@ class Tool:
                 f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in err.errors()
             )
             return _error(f"{self.name}: invalid arguments: {problems}")
-        except ToolError as err:
-            return _error(f"{self.name}: {err}")
         except Exception as err:
-            return _error(f"{self.name} failed: {type(err).__name__}: {err}")
+            return _failed(self.name, err)
         return ToolResult(to_parts(value))
+
+
+def _failed(name: str, err: Exception) -> ToolResult:
+    """A tool's exception as the model sees it: a `ToolError` in the tool's own words, anything else named."""
+    if isinstance(err, ToolError):
+        return _error(f"{name}: {err}")
+    return _error(f"{name} failed: {type(err).__name__}: {err}")
 
 
 def _error(message: str) -> ToolResult:
@@ -169,10 +174,8 @@ class SchemaTool:
             return _error(f"{self.name}: invalid arguments: {where}: {problems[0].message}")
         try:
             value = self.handler(arguments)
-        except ToolError as err:
-            return _error(f"{self.name}: {err}")
         except Exception as err:
-            return _error(f"{self.name} failed: {type(err).__name__}: {err}")
+            return _failed(self.name, err)
         return ToolResult(to_parts(value))
 
 

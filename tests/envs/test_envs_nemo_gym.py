@@ -5,15 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import uvicorn
-from support.engines import free_port
+from support.engines import serving_app
 from support.nemo_gym_server import gymnasium_server, rows, temperature, verify_server
 
 import relax_gym
@@ -23,28 +19,11 @@ ENV_ID = "relax/NeMoGym-v0"
 WEATHER_CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
 
 
-@contextmanager
-def serving(app) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def weather(tmp_path_factory) -> Iterator[dict[str, str]]:
     data = tmp_path_factory.mktemp("nemo") / "weather.jsonl"
     data.write_text("\n".join(rows("verify")) + "\n")
-    with serving(verify_server()) as url:
+    with serving_app(verify_server()) as url:
         yield {"url": url, "data": str(data)}
 
 
@@ -52,7 +31,7 @@ def weather(tmp_path_factory) -> Iterator[dict[str, str]]:
 def guessing(tmp_path_factory) -> Iterator[dict[str, str]]:
     data = tmp_path_factory.mktemp("nemo") / "guess.jsonl"
     data.write_text("\n".join(rows("gymnasium")) + "\n")
-    with serving(gymnasium_server()) as url:
+    with serving_app(gymnasium_server()) as url:
         yield {"url": url, "data": str(data)}
 
 

@@ -89,6 +89,30 @@ class Served:
         assert not self.thread.is_alive(), "uvicorn did not stop"
 
 
+def started(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thread]:
+    """`config`'s server running in a daemon thread, once it accepts connections."""
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    return server, thread
+
+
+@contextmanager
+def serving_app(app) -> Iterator[str]:
+    """Any ASGI app under uvicorn in a background thread on loopback; yields its URL."""
+    port = free_port()
+    server, thread = started(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 @contextmanager
 def served(
     loaded: LoadedModel, port: int | None = None, limits: ServerLimits | None = None, **engine_kwargs
@@ -98,13 +122,7 @@ def served(
     engine = EmbeddedEngine(loaded, **engine_kwargs)
     port = port or free_port()
     app = create_app(engine, api_key=KEY, limits=limits)
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
+    server, thread = started(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning"))
     try:
         yield Served(f"http://127.0.0.1:{port}", engine, server, thread)
     finally:
