@@ -57,6 +57,8 @@ def supports_continuous_batching(model: PreTrainedModel, has_processor: bool) ->
 #: a prefix shared by all of a prefill's prompts runs once when that saves at least this many prompt tokens: below
 #: it, the extra forward pass costs more than it saves
 MIN_PREFIX_TOKENS_SAVED = 32
+#: a row's room when its budget is not given: larger than any buffer `_room` sizes
+UNBOUNDED = 1 << 40
 
 
 def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
@@ -89,10 +91,13 @@ class SlackLayer(DynamicLayer):
     `DynamicLayer.update` concatenates, copying the whole cache at every decode step: at 64 rows of SmolLM2-135M
     and a 60-token cache that was 16 % of a step (torch profiler), and it grows with the length. Here a step
     writes its column in place. Keys or values replaced from outside (`RunningBatch.join`, `keep`) are copied
-    into a fresh buffer at the next update, once."""
+    into a fresh buffer at the next update, once. `cap`, which `RunningBatch` sets from its rows' token budgets,
+    is the most positions the buffers can come to hold: room past it is never used (`_room`)."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
+    #: the most positions this layer's rows can still need (the widest row's budget), None where unknown
+    cap: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,8 +107,8 @@ class SlackLayer(DynamicLayer):
         held = old_keys.shape[-2] if old_keys.numel() else 0
         length = held + key_states.shape[-2]
         if not self._owns_views(old_keys, old_values) or length > _kv(self._key_buffer).shape[-2]:
-            self._key_buffer = _with_room(old_keys, held, key_states, length)
-            self._value_buffer = _with_room(old_values, held, value_states, length)
+            self._key_buffer = _with_room(old_keys, held, key_states, _room(length, self.cap))
+            self._value_buffer = _with_room(old_values, held, value_states, _room(length, self.cap))
         keys, values = _kv(self._key_buffer), _kv(self._value_buffer)
         keys[:, :, held:length] = key_states
         values[:, :, held:length] = value_states
@@ -115,10 +120,18 @@ class SlackLayer(DynamicLayer):
         plain tensors (`batch_select_indices`) left the next `update` a second copy of the whole cache, 4.5 % of a
         64-row engine run on 2-digit sums (py-spy), where rows finish at different steps."""
         keys, values = _kv(self.keys), _kv(self.values)
-        self._key_buffer = _rows_with_room(keys, rows, start)
-        self._value_buffer = _rows_with_room(values, rows, start)
         length = keys.shape[-2] - start
+        self._key_buffer = _rows_with_room(keys, rows, start, _room(length, self.cap))
+        self._value_buffer = _rows_with_room(values, rows, start, _room(length, self.cap))
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+    def append_rows(self, other: SlackLayer, width: int) -> None:
+        """Appends `other`'s rows after these, both left-padded with zeros to `width` positions, in one buffer with
+        room: concatenating left the old buffers and the joined copy alive together until the next `update`
+        copied it once more, twice the cache at every join."""
+        self._key_buffer = _stacked_with_room(_kv(self.keys), _kv(other.keys), width, _room(width, self.cap))
+        self._value_buffer = _stacked_with_room(_kv(self.values), _kv(other.values), width, _room(width, self.cap))
+        self.keys, self.values = self._key_buffer[:, :, :width], self._value_buffer[:, :, :width]
 
     def _owns_views(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Whether `keys` and `values` are still the prefixes of this layer's buffers that `update` left."""
@@ -127,26 +140,39 @@ class SlackLayer(DynamicLayer):
                    for view, buffer in ((keys, self._key_buffer), (values, self._value_buffer)))
 
 
-def _with_room(old: torch.Tensor, kept: int, new: torch.Tensor, needed: int) -> torch.Tensor:
-    """A buffer shaped like `new` with room for `needed` positions and half as many again (at least 64), its
-    first `kept` positions copied from `old`."""
+def _with_room(old: torch.Tensor, kept: int, new: torch.Tensor, size: int) -> torch.Tensor:
+    """A buffer shaped like `new` with `size` positions, its first `kept` positions copied from `old`."""
     batch, heads, _, dim = new.shape
-    buffer = new.new_empty(batch, heads, _roomy(needed), dim)
+    buffer = new.new_empty(batch, heads, size, dim)
     if kept:
         buffer[:, :, :kept] = old
     return buffer
 
 
-def _roomy(length: int) -> int:
-    """Positions a buffer holding `length` gets: half as many again, at least 64, so it grows rarely."""
-    return length + max(64, length // 2)
+def _room(length: int, cap: int | None) -> int:
+    """Positions a buffer holding `length` gets: half as many again, at least 64, so it grows rarely; but no more
+    than `cap`, the most its rows can come to need (an eval's 64 rows of 24-token answers needed 70 of 134)."""
+    roomy = length + max(64, length // 2)
+    return roomy if cap is None else max(length, min(roomy, cap))
 
 
-def _rows_with_room(old: torch.Tensor, rows: torch.Tensor, start: int) -> torch.Tensor:
-    """`old[rows, :, start:]` written into the front of a buffer with room, as `_with_room` sizes it."""
+def _stacked_with_room(first: torch.Tensor, second: torch.Tensor, width: int, size: int) -> torch.Tensor:
+    """`first`'s rows then `second`'s, each right-aligned in `width` positions with zeros before (masked, but
+    finite, so no NaN reaches attention), in the front of a buffer of `size` positions."""
+    rows, heads, _, dim = first.shape
+    buffer = first.new_empty(rows + len(second), heads, size, dim)
+    for part, tensor in ((buffer[:rows], first), (buffer[rows:], second)):
+        pad = width - tensor.shape[-2]
+        part[:, :, :pad].zero_()
+        part[:, :, pad:width] = tensor
+    return buffer
+
+
+def _rows_with_room(old: torch.Tensor, rows: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """`old[rows, :, start:]` written into the front of a buffer of `size` positions."""
     _, heads, held, dim = old.shape
     length = held - start
-    buffer = old.new_empty(len(rows), heads, _roomy(length), dim)
+    buffer = old.new_empty(len(rows), heads, size, dim)
     torch.index_select(old[:, :, start:], 0, rows, out=buffer[:, :, :length])
     return buffer
 
@@ -157,6 +183,16 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     cache.layers = [SlackLayer() for _ in cache.layers]
     return cache
+
+
+def _cap(cache: DynamicCache, width: int, room: torch.Tensor) -> None:
+    """Tells `cache`'s layers the most positions they can come to hold: its `width` now, plus the most tokens a
+    row may still feed (a step adds a column and takes one from every row's room, so this holds until rows join
+    or leave)."""
+    cap = width + (int(room.max()) if len(room) else 0)
+    for layer in _layers(cache):
+        if isinstance(layer, SlackLayer):
+            layer.cap = cap
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
@@ -184,7 +220,8 @@ class RunningBatch:
 
     Each row feeds `last` (its latest token) at position `positions` in the next `step`. Rows come
     from `prefill` and `join`, and go with `keep`. Positions count a row's own tokens, so left
-    padding never shifts them, as `generate` derives them from the mask.
+    padding never shifts them, as `generate` derives them from the mask. `room` is how many more
+    tokens each row may feed (its budget, from `prefill`), which caps the cache's buffers.
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int) -> None:
@@ -196,22 +233,28 @@ class RunningBatch:
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last = torch.zeros(0, dtype=torch.long, device=self.device)
+        #: tokens each row may still feed, on the CPU (`UNBOUNDED` where its budget is not given)
+        self.room = torch.zeros(0, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.mask.shape[0]
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[RunningBatch, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], room: Sequence[int] | None = None) -> tuple[RunningBatch, torch.Tensor]:
         """A new batch of `prompts` and each row's next-token logits [B, V] in fp32; its `last` is for the
         caller to set once it has sampled. Identical prompts run once and share their cache rows, and a prefix
-        all the prompts share (a chat template's system turn) runs once for them all."""
+        all the prompts share (a chat template's system turn) runs once for them all. `room`: how many tokens
+        each row may feed after its prompt (its `max_new_tokens` - 1: the last sampled token is never fed), so
+        the cache holds no room it cannot use; None: unbounded."""
         unique: dict[tuple[int, ...], int] = {}
         rows = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         distinct = list(unique)
+        budgets = torch.tensor([UNBOUNDED] * len(prompts) if room is None else list(room), dtype=torch.long)
         cache = new_cache(self.model)
         shared = shared_prefix(distinct)
         if (len(distinct) - 1) * shared < MIN_PREFIX_TOKENS_SAVED:
             shared = 0
+        _cap(cache, shared + max(len(p) - shared for p in distinct), budgets)
         if shared:  # the prefix once, its cache rows repeated for every prompt; padding sits between it and the rest
             head = torch.tensor([distinct[0][:shared]], device=self.device)
             self.model(input_ids=head, position_ids=torch.arange(shared, device=self.device)[None], use_cache=True,
@@ -223,7 +266,7 @@ class RunningBatch:
                             min=0), use_cache=True, logits_to_keep=1, **{self._cache_argument: cache}).logits[:, -1]
         logits = logits.float()
         batch = RunningBatch(self.model, self.pad_token_id)
-        batch.cache, batch.mask, batch.positions = cache, mask, mask.sum(-1)
+        batch.cache, batch.mask, batch.positions, batch.room = cache, mask, mask.sum(-1), budgets
         if len(unique) < len(prompts):  # shared prompts: each row takes its prompt's cache row and logits
             index = torch.tensor(rows, device=self.device)
             batch._select(index)
@@ -236,12 +279,19 @@ class RunningBatch:
             return
         if not len(self):
             self.cache, self.mask, self.positions, self.last = other.cache, other.mask, other.positions, other.last
+            self.room = other.room
             return
         assert self.cache is not None and other.cache is not None
         width = max(self.mask.shape[1], other.mask.shape[1])
+        self.room = torch.cat([self.room, other.room])
+        _cap(self.cache, width, self.room)
         for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
-            mine.keys = torch.cat([_left_pad(_kv(mine.keys), width, 2), _left_pad(_kv(theirs.keys), width, 2)])
-            mine.values = torch.cat([_left_pad(_kv(mine.values), width, 2), _left_pad(_kv(theirs.values), width, 2)])
+            if isinstance(mine, SlackLayer) and isinstance(theirs, SlackLayer):
+                mine.append_rows(theirs, width)
+            else:
+                mine.keys = torch.cat([_left_pad(_kv(mine.keys), width, 2), _left_pad(_kv(theirs.keys), width, 2)])
+                mine.values = torch.cat([_left_pad(_kv(mine.values), width, 2),
+                                         _left_pad(_kv(theirs.values), width, 2)])
         self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(other.mask, width, 1)])
         self.positions = torch.cat([self.positions, other.positions])
         self.last = torch.cat([self.last, other.last])
@@ -254,6 +304,7 @@ class RunningBatch:
                             position_ids=self.positions[:, None], use_cache=True,
                             **{self._cache_argument: self.cache}).logits[:, -1].float()
         self.positions = self.positions + 1
+        self.room = self.room - 1
         return logits
 
     def keep(self, rows: list[int]) -> None:
@@ -263,11 +314,14 @@ class RunningBatch:
         if not rows:
             self.cache = None
             self.mask, self.positions, self.last = self.mask[:0, :0], self.positions[:0], self.last[:0]
+            self.room = self.room[:0]
             return
         index = torch.tensor(rows, device=self.device)
         mask = self.mask[index]
         unused = int(mask.any(0).int().argmax())  # the first column any row still uses
         assert self.cache is not None
+        self.room = self.room[rows]
+        _cap(self.cache, mask.shape[1] - unused, self.room)
         for layer in _layers(self.cache):
             if isinstance(layer, SlackLayer):
                 layer.keep_rows(index, unused)

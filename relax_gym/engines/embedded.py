@@ -700,7 +700,8 @@ class EmbeddedEngine:
         seed or a first sample that fails is retried one job at a time, so a bad request fails alone and the
         worker never dies of a request's error."""
         try:
-            joining, logits = batch.prefill([job.request.input_ids for job in jobs])
+            joining, logits = batch.prefill([job.request.input_ids for job in jobs],
+                                            room=[max(0, job.request.sampling.max_new_tokens - 1) for job in jobs])
             new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
                    for job in jobs]
             going, tokens = self._sample(new, logits)

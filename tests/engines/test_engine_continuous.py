@@ -196,6 +196,35 @@ def test_the_cache_grows_in_place_and_gives_the_logits_a_concatenating_cache_giv
     assert in_place.count(False) <= 4 and all(in_place[31:60])
 
 
+def test_a_batch_holds_no_room_its_rows_cannot_use(chaotic):
+    """With each row's budget (`room`: tokens it may still feed), a layer's buffers hold at most the positions the
+    rows can come to need, never the 64 spare ones an unbounded row gets, and the logits are the same."""
+
+    def run(budgets: bool) -> tuple[list[torch.Tensor], list[int]]:
+        batch, logits = RunningBatch(chaotic.model, 0).prefill([[5, 6, 7], [8, 9, 10, 11, 12]],
+                                                               room=[6, 3] if budgets else None)
+        batch.last = logits.argmax(-1)
+        seen, sizes = [logits], []
+        for step in range(6):
+            if step == 3:  # the second row has fed its 3 tokens and leaves; a row with 4 to feed joins
+                batch.keep([0])
+                other, first = RunningBatch(chaotic.model, 0).prefill([[20, 21]], room=[4] if budgets else None)
+                other.last = first.argmax(-1)
+                batch.join(other)
+            logits = batch.step()
+            batch.last = logits.argmax(-1)
+            seen.append(logits)
+            sizes.append(batch.cache.layers[0]._key_buffer.shape[-2])
+        return seen, sizes
+
+    capped, sizes = run(budgets=True)
+    plain, roomy = run(budgets=False)
+    assert all(torch.equal(a, b) for a, b in zip(capped, plain, strict=True))
+    # 5 prompt positions + 6 to feed; after the leaving row's padding goes, 6 positions are held, and the
+    # joining row, right-aligned in them, may feed 4 more (the first row 3)
+    assert sizes == [11, 11, 11, 10, 10, 10] and min(roomy) >= 69
+
+
 def test_a_prefix_all_prompts_share_is_prefilled_once_with_the_logits_each_gets_alone(chaotic):
     """A chat template's system turn begins every prompt: it runs once, its cache rows repeated, and each prompt's
     logits and greedy continuation are what it gets alone (up to the rounding of a different batch shape)."""
