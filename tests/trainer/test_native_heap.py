@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 from relax_gym.native_heap import free_heap_bytes, release_free_memory
 
@@ -27,3 +30,32 @@ def test_freed_blocks_go_back_to_the_os_only_when_many_are_free():
     assert release_free_memory(above=200 * 2**20)
     assert _rss_mb() < before - 200, (before, _rss_mb())
     del keep
+
+
+_ARENAS = """
+import ctypes, sys, threading
+from relax_gym.native_heap import share_one_heap
+took = share_one_heap() if sys.argv[1] == "one" else False
+def allocate():
+    blocks = [bytearray(64 * 1024) for _ in range(64)]  # under the mmap threshold: from the thread's heap
+    ctypes.CDLL(None).malloc_stats()  # glibc writes each heap ("Arena N:") to stderr
+thread = threading.Thread(target=allocate)
+thread.start()
+thread.join()
+print(took)
+"""
+
+
+def test_one_heap_for_every_thread(tmp_path):
+    """glibc's own `malloc_stats` shows a second heap for a thread that allocates, and none once
+    `share_one_heap` ran (a user's MALLOC_ARENA_MAX is left alone)."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    runs = {how: subprocess.run([sys.executable, "-c", _ARENAS, how], capture_output=True, text=True, env=env,
+                                check=True) for how in ("default", "one")}
+    assert runs["default"].stderr.count("Arena ") == 2 and runs["default"].stdout.split() == ["False"]
+    assert runs["one"].stderr.count("Arena ") == 1 and runs["one"].stdout.split() == ["True"]
+    mine = subprocess.run([sys.executable, "-c", _ARENAS, "one"], capture_output=True, text=True, check=True,
+                          env={**env, "MALLOC_ARENA_MAX": "4"})
+    assert mine.stdout.split() == ["False"] and mine.stderr.count("Arena ") == 2
