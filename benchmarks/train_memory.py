@@ -6,7 +6,7 @@ weights and gradients, and AdamW's two moments, all float32 (20 bytes a paramete
 model loads (Python, torch, transformers: measured by importing them). The training phase's seconds per step come
 from the run's metrics.
 
-    python benchmarks/train_memory.py --config examples/configs/smollm2_arithmetic.yaml --steps 6
+    python benchmarks/train_memory.py --config examples/configs/smollm2_arithmetic.yaml --steps 20
     python benchmarks/train_memory.py --config examples/configs/quickstart.yaml --steps 4 --variants ""
 """
 
