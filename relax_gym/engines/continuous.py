@@ -90,9 +90,10 @@ class SlackLayer(DynamicLayer):
 
     `DynamicLayer.update` concatenates, copying the whole cache at every decode step: at 64 rows of SmolLM2-135M
     and a 60-token cache that was 16 % of a step (torch profiler), and it grows with the length. Here a step
-    writes its column in place. Keys or values replaced from outside (`RunningBatch.join`, `keep`) are copied
-    into a fresh buffer at the next update, once. `cap`, which `RunningBatch` sets from its rows' token budgets,
-    is the most positions the buffers can come to hold: room past it is never used (`_room`)."""
+    writes its column in place. Rows joining (`append_rows`) and leaving (`keep_rows`) are written straight into
+    fresh buffers; keys or values replaced from outside (transformers' `batch_select_indices`,
+    `batch_repeat_interleave`) are copied into one at the next update, once. `cap`, which `RunningBatch` sets
+    from its rows' token budgets, is the most positions the buffers can come to hold: no room past it (`_room`)."""
 
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
@@ -254,7 +255,7 @@ class RunningBatch:
         shared = shared_prefix(distinct)
         if (len(distinct) - 1) * shared < MIN_PREFIX_TOKENS_SAVED:
             shared = 0
-        _cap(cache, shared + max(len(p) - shared for p in distinct), budgets)
+        _cap(cache, max(map(len, distinct)), budgets)
         if shared:  # the prefix once, its cache rows repeated for every prompt; padding sits between it and the rest
             head = torch.tensor([distinct[0][:shared]], device=self.device)
             self.model(input_ids=head, position_ids=torch.arange(shared, device=self.device)[None], use_cache=True,
