@@ -192,13 +192,12 @@ def _cap(cache: DynamicCache, width: int, room: torch.Tensor) -> None:
     or leave)."""
     cap = width + (int(room.max()) if len(room) else 0)
     for layer in _layers(cache):
-        if isinstance(layer, SlackLayer):
-            layer.cap = cap
+        layer.cap = cap
 
 
-def _layers(cache: DynamicCache) -> list[DynamicLayer]:
-    """The cache's layers, which `supports_continuous_batching` checked are all `DynamicLayer`s."""
-    return cast(list[DynamicLayer], cache.layers)
+def _layers(cache: DynamicCache) -> list[SlackLayer]:
+    """The cache's layers: every cache here is `new_cache`'s, all `SlackLayer`s."""
+    return cast(list[SlackLayer], cache.layers)
 
 
 def _kv(tensor: torch.Tensor | None) -> torch.Tensor:
@@ -287,12 +286,7 @@ class RunningBatch:
         self.room = torch.cat([self.room, other.room])
         _cap(self.cache, width, self.room)
         for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
-            if isinstance(mine, SlackLayer) and isinstance(theirs, SlackLayer):
-                mine.append_rows(theirs, width)
-            else:
-                mine.keys = torch.cat([_left_pad(_kv(mine.keys), width, 2), _left_pad(_kv(theirs.keys), width, 2)])
-                mine.values = torch.cat([_left_pad(_kv(mine.values), width, 2),
-                                         _left_pad(_kv(theirs.values), width, 2)])
+            mine.append_rows(theirs, width)
         self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(other.mask, width, 1)])
         self.positions = torch.cat([self.positions, other.positions])
         self.last = torch.cat([self.last, other.last])
@@ -324,11 +318,7 @@ class RunningBatch:
         self.room = self.room[rows]
         _cap(self.cache, mask.shape[1] - unused, self.room)
         for layer in _layers(self.cache):
-            if isinstance(layer, SlackLayer):
-                layer.keep_rows(index, unused)
-            else:
-                layer.batch_select_indices(index)
-                layer.keys, layer.values = _kv(layer.keys)[:, :, unused:], _kv(layer.values)[:, :, unused:]
+            layer.keep_rows(index, unused)
         self.mask, self.positions = mask[:, unused:], self.positions[index]
         if len(self.last):
             self.last = self.last[index]

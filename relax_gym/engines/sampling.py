@@ -63,16 +63,17 @@ class RowSampler:
         """Each row's token and its log p under softmax(raw / T) (T = 1 for greedy), untruncated.
 
         Each full-vocabulary pass costs about a millisecond at 64 rows of a 49k vocabulary, so the passes a batch
-        does not need are skipped: the argmax without greedy rows, the division at T = 1, and the log-softmax's
-        output (the chosen token's logprob is its logit less the logsumexp)."""
+        does not need are skipped: the argmax without greedy rows, the division at T = 1 (else it is done once, for
+        the draw and the logprob alike), and the log-softmax's output (the chosen token's logprob is its logit less
+        the logsumexp)."""
         temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
-        allowed = raw if self.never is None else raw.index_fill(1, self.never, -torch.inf)
         scaled = raw if self.unit_temperature else raw / temperature
+        # a greedy row's temperature is 1, so its argmax over `allowed` is the raw logits' (placeholders barred)
+        allowed = scaled if self.never is None else scaled.index_fill(1, self.never, -torch.inf)
         if self.all_greedy:
             tokens = allowed.argmax(dim=-1)
         else:
-            choice = allowed if self.unit_temperature else allowed / temperature
-            kept = top_k_top_p(choice, self.top_k, self.top_p) if self.truncates else choice
+            kept = top_k_top_p(allowed, self.top_k, self.top_p) if self.truncates else allowed
             probs = kept.softmax(dim=-1)
             # Inverse-CDF draws, one uniform per row: one searchsorted for the batch, where a multinomial per
             # seeded row cost a third of a small model's decode step. A seeded row's uniform comes from its own
