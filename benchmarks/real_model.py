@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicLayer
 
 from relax_gym import messages as M
 from relax_gym import onednn_linear
+from relax_gym.cpu_threads import release_openmp_workers
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams, continuous
 from relax_gym.models import LoadedModel, load_model, render_ids
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
@@ -249,6 +250,7 @@ def main() -> None:
                 sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
                 requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
                 theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
+                release_openmp_workers()  # each side computes alone, as in a run (`relax_gym.cpu_threads`)
                 for dtype, engine in engines.items():
                     ours = asyncio.run(engine_tokens_per_s(engine, requests))
                     row = (f"| engine, {dtype} | {task}, N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} "
@@ -267,8 +269,10 @@ def main() -> None:
     print("| weights | mean abs gap | max abs gap |\n|---|---:|---:|")
     for dtype, (mean, worst) in gaps.items():
         print(f"| {dtype} | {mean:.2e} | {worst:.2e} |")
-    engine_model = copy.deepcopy(loaded.model).eval()
-    onednn_linear.use_onednn_linears(engine_model)  # as the float32 engine's
+    if "float32" not in engines:  # the decode step is the float32 engine's model as the engine prepared it
+        engines["float32"] = EmbeddedEngine(replace(loaded, model=copy.deepcopy(loaded.model)))
+        asyncio.run(engines["float32"].close())
+    engine_model = engines["float32"].model
     unique = {t.data_ptr(): t for t in loaded.model.state_dict().values()}  # tied embeddings are one tensor
     weights_gb = sum(t.numel() * t.element_size() for t in unique.values()) / 1e9
     bandwidth, (torch_gflops, gflops) = copy_gb_per_s(), matmul_gflops()

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from relax_gym.cpu_threads import release_openmp_workers
 from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
 from relax_gym.engines.factory import make_engine
 from relax_gym.env.registration import resolve_env_id
@@ -298,6 +299,7 @@ class Trainer:
         """Resumes from the newest checkpoint, if any, and trains to `total_steps`."""
         await self._resume()
         settle_heap()
+        release_openmp_workers()  # this thread's, from loading and resuming: it computes nothing from here
         if self.cfg.trainer.eval_every and self.cfg.trainer.eval_at_start and self.step == 0:
             await self._eval_logged(0)  # awaited: its episodes all see the starting weights
         if self.cfg.trainer.mode == "sync":
@@ -592,7 +594,7 @@ class Trainer:
     async def _on_trainer_thread(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """`fn(*args, **kwargs)` in the trainer's own thread (see `cpu.trainer`), awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._trainer_thread,
-                                                                functools.partial(fn, *args, **kwargs))
+                                                                functools.partial(_then_idle, fn, *args, **kwargs))
 
     async def _after_step(self) -> None:
         """Called after each step is logged and checkpointed (`ClusterTrainer` runs its `on_step` hook here)."""
@@ -735,6 +737,15 @@ def _prune_weight_folders(current: Path) -> None:
     for folder in current.parent.glob("v*"):
         if folder != current:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _then_idle(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`fn(*args, **kwargs)`, then the calling thread's OpenMP workers released: between the trainer's calls the
+    engine may compute alone, and idle workers would slow it (`cpu_threads`)."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_openmp_workers()
 
 
 def _failed(job: asyncio.Future[Any]) -> bool:

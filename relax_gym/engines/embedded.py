@@ -56,7 +56,7 @@ from transformers import (
 )
 from transformers.core_model_loading import revert_weight_conversion
 
-from relax_gym.cpu_threads import ThreadPlacement
+from relax_gym.cpu_threads import ThreadPlacement, release_openmp_workers
 from relax_gym.engines.base import (
     EngineError,
     FinishReason,
@@ -282,8 +282,8 @@ class EmbeddedEngine:
     ) -> None:
         """`device` (None: where the model is) moves `loaded.model` there, in bfloat16 on a GPU as SGLang serves
         bf16 checkpoints; `dtype` (None: that default, else the model's own) casts it. The engine owns the model
-        from then on: it moves and casts it in place. In bfloat16 on a CPU, continuous batching decodes with
-        `decode_attention` (torch's fused kernel is slow there)."""
+        from then on: it moves and casts it in place. On a CPU, continuous batching decodes with `decode_attention`
+        (torch's fused kernel is slower there)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batching not in ("continuous", "static"):
@@ -317,7 +317,7 @@ class EmbeddedEngine:
         self.continuous = batching == "continuous" and supports_continuous_batching(
             self.model, loaded.processor is not None
         )
-        if self.continuous and self.device.type == "cpu" and self.model.dtype == torch.bfloat16:
+        if self.continuous and self.device.type == "cpu":
             use_decode_attention(self.model)
         self._version = 0
         self._paused = False
@@ -336,6 +336,7 @@ class EmbeddedEngine:
         self._placement = placement or ThreadPlacement()
         self._worker = threading.Thread(target=self._loop, name="relax-gym-embedded-engine", daemon=True)
         self._worker.start()
+        release_openmp_workers()  # this thread's, from loading the model: the worker computes from here
 
     # --- the Engine protocol ---------------------------------------------------------------
 
@@ -586,6 +587,8 @@ class EmbeddedEngine:
         """With nothing running: applies weight updates as they come, and returns once there are jobs to take
         (True) or the engine is closed (False)."""
         while True:
+            if not self._has_work():  # idle: its OpenMP workers would slow whoever computes (`cpu_threads`)
+                release_openmp_workers()
             with self._cond:
                 self._cond.wait_for(self._has_work)
                 if self._closed:
