@@ -42,11 +42,12 @@ def _libgomp() -> ctypes.CDLL | None:
     Linux). Read from /proc/self/maps: torch's wheels bundle it under their own name and path."""
     try:
         with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+            paths = [line.split()[-1] for line in maps if "/libgomp" in line]
     except OSError:
         return None
-    if path is None:
+    if not paths:
         return None
+    path = next((p for p in paths if "/torch/" in p), paths[0])  # another library may bring its own libgomp
     lib = ctypes.CDLL(path)  # already loaded: dlopen returns the same library
     return lib if hasattr(lib, "omp_pause_resource_all") else None
 
