@@ -14,11 +14,12 @@ unset gets whatever count torch holds when its thread starts.
 Each thread that runs a parallel torch op keeps a pool of OpenMP workers (libgomp, which torch's Linux wheels
 bundle). libgomp lets a worker spin-wait for the next parallel region only while it manages no more threads
 than there are CPUs; past that, every team's workers sleep on a futex between regions. A decode step of a 135M
-model is ~500 regions, and on this project's 2-core VMs the wake-ups cost 25 % of the step (80 against 107 ms
-at 64 rows) as soon as one idle pool beside the engine's (the main thread's, from loading the model) tips the
-count. So a thread that stops computing calls `release_openmp_workers`: the engine's worker when it goes idle,
-the trainer's thread after each call, the thread that built the engine. Two roles computing at once on two
-cores still sleep between regions, as they should.
+model is ~500 regions, and on this project's 2-core VMs the wake-ups made the step 107 ms where it takes 80 (64
+rows) as soon as one idle pool beside the engine's (the main thread's, from loading the model) tipped the count;
+`GOMP_SPINCOUNT` does not reach that case. So a thread that stops computing calls `release_openmp_workers`: the
+engine's worker when it goes idle, the thread that built the engine, the trainer's thread after each call, a
+run's main thread once it has loaded and resumed. Two roles computing at once on two cores still sleep between
+regions, as they should.
 """
 
 from __future__ import annotations
