@@ -49,7 +49,10 @@ def _libgomp() -> ctypes.CDLL | None:
     if not paths:
         return None
     path = next((p for p in paths if "/torch/" in p), paths[0])  # another library may bring its own libgomp
-    lib = ctypes.CDLL(path)  # already loaded: dlopen returns the same library
+    try:
+        lib = ctypes.CDLL(path)  # already loaded: dlopen returns the same library
+    except OSError:  # the file was replaced or removed since it loaded: leave the workers be
+        return None
     return lib if hasattr(lib, "omp_pause_resource_all") else None
 
 
