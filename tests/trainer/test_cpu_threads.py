@@ -125,5 +125,5 @@ def test_the_engine_worker_and_the_thread_that_built_it_let_their_workers_go(mon
         worker_calls(2)  # idle again after the request
     finally:
         asyncio.run(engine.close())
-    assert callers[0] == threading.current_thread().name
+    assert callers.count(threading.current_thread().name) == 1  # the builder's, whenever the worker's first came
     assert callers.count(engine._worker.name) == 2
