@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from relax_gym.engines import decode_kernel
+
 NAME = "relax_gym_decode"
 
 
@@ -35,13 +37,16 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if query.shape[2] != 1 or dropout or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kernel_out = decode_kernel.attend(query, key, value, attention_mask, scale)
+    if kernel_out is not None:
+        return kernel_out, None
     rows, heads, _, dim = query.shape
     grouped = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
     # keys times queries, then a transposed view: BLAS runs [T, D] x [D, G] faster than the thin [G, D] x [D, T]
     # (G = 3 for SmolLM2; 30 layers at 64 rows x 256 positions: 28.3 against 43.8 ms in bfloat16, the engine 1.07x
     # on 64 stories; 37.9 against 44.0 ms in float32, within the engine's noise), and the softmax reads the
     # transposed scores as they are
-    scale = dim**-0.5 if scaling is None else scaling
     scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2) * scale
     if attention_mask is not None:
         mask = attention_mask[..., -1:, : key.shape[-2]]
