@@ -65,7 +65,8 @@ class RowSampler:
         Each full-vocabulary pass costs about a millisecond at 64 rows of a 49k vocabulary, so the passes a batch
         does not need are skipped: the argmax without greedy rows, the division at T = 1 (else it is done once, for
         the draw and the logprob alike), and the log-softmax's output (the chosen token's logprob is its logit less
-        the logsumexp)."""
+        the logsumexp; where nothing was truncated or barred, the log of its probability, which the draw computed:
+        a logsumexp is the slowest of those passes)."""
         temperature = torch.where(self.greedy, 1.0, self.temperature)[:, None]
         scaled = raw if self.unit_temperature else raw / temperature
         # a greedy row's temperature is 1, so its argmax over `allowed` is the raw logits' (placeholders barred)
@@ -89,5 +90,7 @@ class RowSampler:
             if stray.any():
                 drawn[stray] = probs[stray].argmax(dim=-1)
             tokens = torch.where(self.greedy, allowed.argmax(dim=-1), drawn) if self.any_greedy else drawn
+            if kept is scaled:  # nothing truncated or barred: `probs` is softmax(scaled), so its log is the logprob
+                return tokens, probs.gather(1, tokens[:, None]).squeeze(1).log()
         logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(dim=-1)
         return tokens, logprobs
