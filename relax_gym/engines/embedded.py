@@ -716,9 +716,9 @@ class EmbeddedEngine:
             jobs[0].resolve(_failed_alone(jobs[0], err))
             return
         if going:  # rows that ended on their first token never join
-            joining.keep(going)
-            joining.last = tokens[going]
-            rows += [new[i] for i in going]
+            order = joining.keep(going)
+            joining.last = tokens[order]
+            rows += [new[i] for i in order]
             batch.join(joining)
 
     def _advance(self, batch: RunningBatch, rows: list[_Row]) -> None:
@@ -732,9 +732,9 @@ class EmbeddedEngine:
             batch.keep([])
             return
         going, tokens = self._sample(rows, logits)
-        batch.keep(going)
-        batch.last = tokens[going]
-        rows[:] = [rows[i] for i in going]
+        order = batch.keep(going)
+        batch.last = tokens[order]
+        rows[:] = [rows[i] for i in order]
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Samples each row's next token, answers the rows that end; returns the rows that go on and all tokens."""

@@ -107,13 +107,14 @@ def test_a_shared_prompt_is_prefilled_once_and_rows_leave_without_a_trace(chaoti
     first.last = torch.tensor([11, 12, 13])
     batch.join(first)
     batch.step()
-    batch.keep([1, 2])  # the first row leaves
-    batch.last = torch.tensor([21, 22])
+    order = batch.keep([1, 2])  # the first row leaves
+    assert order == [2, 1]  # every column still in use: the last row moved into its place
+    batch.last = torch.tensor([{1: 21, 2: 22}[row] for row in order])
     late, _ = batch.prefill([list(range(20, 40))])
     late.last = torch.tensor([14])
     batch.join(late)
     logits = batch.step()
-    sequences = [[5, 6, 7, 12, 21], [9, 8, 7, 6, 5, 13, 22], [*range(20, 40), 14]]
+    sequences = [[9, 8, 7, 6, 5, 13, 22], [5, 6, 7, 12, 21], [*range(20, 40), 14]]
     with torch.no_grad():
         for row, seq in enumerate(sequences):
             alone = model(input_ids=torch.tensor([seq])).logits[0, -1]
@@ -256,3 +257,22 @@ def test_a_prefix_all_prompts_share_is_prefilled_once_with_the_logits_each_gets_
             alone.last = alone.step().argmax(-1)
             tokens.append(alone.last.item())
         assert tokens == [step[i] for step in together]
+
+
+def test_rows_that_leave_make_way_for_the_last_rows_and_each_row_keeps_its_own_cache(chaotic):
+    """Two of five rows leave with every column still in use: the last two move into their places, and each row
+    then decodes as it would alone."""
+    model = chaotic.model.eval()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17], [18]]
+    batch, logits = RunningBatch(model, pad_token_id=0).prefill(prompts)
+    batch.last = torch.tensor([30, 31, 32, 33, 34])
+    batch.step()
+    order = batch.keep([1, 3, 4])
+    assert order == [3, 1, 4]
+    assert all(layer.keys.shape[0] == 3 for layer in batch.cache.layers)
+    batch.last = torch.tensor([40 + row for row in order])
+    logits = batch.step()
+    with torch.no_grad():
+        for place, row in enumerate(order):
+            alone = model(input_ids=torch.tensor([[*prompts[row], 30 + row, 40 + row]])).logits[0, -1]
+            assert (alone - logits[place]).abs().max() < 1e-4, row
