@@ -1,4 +1,4 @@
-"""Attention for a decode step on a CPU: two matmuls where torch's fused kernel is slow.
+"""Attention for a decode step on a CPU, where torch's fused kernel is slow: a C loop in float32, else two matmuls.
 
 At one query token per row, torch's CPU flash-attention kernel in bfloat16 took 1.95 ms a layer for 64 rows of
 SmolLM2-135M (half of the whole step, three times its float32 time), where the two small matmuls below take a
@@ -7,6 +7,9 @@ fraction of that. In float32 too they are faster, at every shape measured (SmolL
 step (float32 outputs within 6e-7 of the kernel's). Registered with transformers' `AttentionInterface` as
 `relax_gym_decode`, with sdpa's mask builder: a prefill (more than one query token) goes to transformers' own sdpa
 function unchanged.
+
+In float32 with a boolean mask (the engine's case) `decode_kernel`'s C loop runs instead of the matmuls: at G = 3
+query heads a key head, MKL runs the per-(row, key head) products well off the time it takes to read the cache.
 
 Only the embedded engine's continuous batching on a CPU uses it (`EmbeddedEngine`); the trainer keeps its own
 attention.
@@ -32,8 +35,8 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """transformers' attention signature: query [B, H, Q, D], key and value [B, Hkv, T, D]; returns [B, Q, H, D].
 
     For Q = 1 the query heads are grouped by the key head they share (query head h reads key head h // (H / Hkv),
-    as transformers' `repeat_kv` pairs them) and attend with a matmul, a softmax in float32 and a matmul; a boolean
-    mask marks what may be attended, a float one is added."""
+    as transformers' `repeat_kv` pairs them) and attend through `decode_kernel` where it applies, else with a
+    matmul, a softmax in float32 and a matmul; a boolean mask marks what may be attended, a float one is added."""
     if query.shape[2] != 1 or dropout or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
