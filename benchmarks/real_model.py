@@ -41,6 +41,7 @@ from relax_gym import onednn_linear
 from relax_gym.cpu_threads import release_openmp_workers
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams, continuous
 from relax_gym.models import LoadedModel, load_model, render_ids
+from relax_gym.native_heap import keep_large_blocks, share_one_heap
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
 from relax_gym.trainer.backends.torch_backend import TorchBackend
 from relax_gym.trainer.batch import Sample
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    share_one_heap()  # glibc's heaps as the CLI sets them, for both sides
+    keep_large_blocks()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     params = sum(p.numel() for p in loaded.model.parameters())

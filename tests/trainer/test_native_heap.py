@@ -7,7 +7,7 @@ import platform
 import subprocess
 import sys
 
-from relax_gym.native_heap import free_heap_bytes, release_free_memory, share_one_heap
+from relax_gym.native_heap import free_heap_bytes, keep_large_blocks, release_free_memory, share_one_heap
 
 
 def _rss_mb() -> float:
@@ -60,3 +60,39 @@ def test_one_heap_for_every_thread():
     mine = subprocess.run([sys.executable, "-c", _ARENAS, "one"], capture_output=True, text=True, check=True,
                           env={**env, "MALLOC_ARENA_MAX": "4"})
     assert mine.stdout.split() == ["False"] and mine.stderr.count("Arena ") == 2
+
+
+_REUSE = """
+import resource, sys
+from relax_gym.native_heap import keep_large_blocks
+took = keep_large_blocks() if sys.argv[1] == "keep" else False
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step() -> None:  # a decode step's temporaries: logits, probabilities, their running sums
+    blocks = [bytearray(12 * 2**20) for _ in range(3)]  # bytearray writes its zeros: each page is touched
+    del blocks
+step()
+start = faults()
+for _ in range(10):
+    step()
+print(took, (faults() - start) // 10)
+"""
+
+
+def test_large_blocks_freed_in_a_step_are_reused_by_the_next_without_faulting():
+    """glibc's defaults hand a step's large freed blocks back to the OS, so each step faults their pages in
+    anew; after `keep_large_blocks` the next step reuses them (a user's MALLOC_MMAP_THRESHOLD_ is left alone)."""
+    if platform.libc_ver()[0] != "glibc":
+        assert not keep_large_blocks()
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_"))}
+
+    def run(how: str, **extra: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", _REUSE, how], capture_output=True, text=True, check=True,
+                              env={**env, **extra}).stdout.split()
+
+    took, default_faults = run("default")
+    assert took == "False" and int(default_faults) > 3 * 12 * 2**20 // 4096 // 2  # most pages fault again
+    took, kept_faults = run("keep")
+    assert took == "True" and int(kept_faults) < 100
+    assert run("keep", MALLOC_MMAP_THRESHOLD_="1048576")[0] == "False"
