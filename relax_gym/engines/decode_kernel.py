@@ -108,9 +108,9 @@ def build(group: int, dim: int) -> Callable[..., None] | None:
             subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
             kernel = ctypes.CDLL(library).decode_attention_f32  # loaded: the file may go with the folder
         except (OSError, subprocess.SubprocessError) as err:
-            detail = getattr(err, "stderr", None) or str(err)
+            lines = (getattr(err, "stderr", None) or str(err)).strip().splitlines() or [repr(err)]
             logger.warning("decode attention runs through torch's matmuls: building its C kernel with %s failed: %s",
-                           compiler[0], detail.strip().splitlines()[-1] if detail.strip() else err)
+                           compiler[0], next((line for line in lines if "error" in line), lines[-1]))
             return None
     kernel.argtypes = [ctypes.c_void_p] * 6 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int]
     kernel.restype = None
