@@ -12,7 +12,8 @@ width, into a temporary directory (0.2 s), and it runs its rows on the OpenMP ru
 soname matches, so the loader reuses torch's copy: one pool of workers, which `release_openmp_workers` ends).
 Where there is no compiler, or the build fails, `attend` answers None and says why once, in a log warning; the
 caller then runs the matmuls. `-ffast-math` lets the compiler vectorize `expf` (glibc's libmvec); masked
-positions take a finite floor rather than -inf, which that mode does not keep.
+positions take a finite floor rather than -inf, which that mode does not keep. It applies to compiling only:
+linked with it, the library would turn on flush-to-zero in the thread that loads it.
 """
 
 from __future__ import annotations
@@ -99,13 +100,17 @@ def build(group: int, dim: int) -> Callable[..., None] | None:
     cannot be built here. `CC` names the compiler, as for any C build; `cc` by default."""
     compiler = shlex.split(os.environ.get("CC", "cc"))
     with tempfile.TemporaryDirectory(prefix="relax_gym_kernel_") as folder:
-        source, library = os.path.join(folder, "decode.c"), os.path.join(folder, "decode.so")
+        source, objects, library = (os.path.join(folder, name) for name in ("decode.c", "decode.o", "decode.so"))
         with open(source, "w") as file:
             file.write(SOURCE)
-        command = [*compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-                   f"-DGROUP={group}", f"-DDIM={dim}", source, "-o", library, "-lmvec", "-lm"]
+        # two steps: `-ffast-math` when linking adds gcc's crtfastmath, whose constructor turns on flush-to-zero
+        # for the thread that loads the library, changing every float op it runs after (denormals become zero)
+        commands = [[*compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", f"-DGROUP={group}",
+                     f"-DDIM={dim}", "-c", source, "-o", objects],
+                    [*compiler, "-shared", "-fopenmp", objects, "-o", library, "-lmvec", "-lm"]]
         try:
-            subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+            for command in commands:
+                subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
             kernel = ctypes.CDLL(library).decode_attention_f32  # loaded: the file may go with the folder
         except (OSError, subprocess.SubprocessError) as err:
             lines = (getattr(err, "stderr", None) or str(err)).strip().splitlines() or [repr(err)]

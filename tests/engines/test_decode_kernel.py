@@ -4,6 +4,8 @@ layouts the engine hands it; and what happens where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,3 +77,12 @@ def test_without_a_compiler_it_says_so_once_and_the_matmuls_answer(monkeypatch, 
         assert len(warnings) == 1 and "/nonexistent/cc" in warnings[0]
     finally:
         decode_kernel.build.cache_clear()  # the next test builds with the real compiler again
+
+
+def test_building_it_leaves_the_loading_threads_floating_point_alone():
+    """Linked with `-ffast-math`, the library would turn on flush-to-zero in the thread that loads it, and every
+    float op that thread runs after would lose its denormals (hypothesis refuses to run then)."""
+    code = ("import torch; from relax_gym.engines import decode_kernel; assert decode_kernel.build(2, 8); "
+            "print(5e-324 * 1.0 > 0, (torch.tensor([1e-40]) * 1.0).item() > 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "True"]
