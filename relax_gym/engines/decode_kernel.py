@@ -130,7 +130,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     rows, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if not (query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and key.stride(-1) == 1 and value.stride(-1) == 1 and heads % kv_heads == 0):
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and heads % kv_heads == 0
+            and key.shape == value.shape == (rows, kv_heads, length, dim)):  # C reads by these shapes: no broadcast
         return None
     if mask is not None:
         if mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[-1] < length:

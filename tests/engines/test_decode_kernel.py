@@ -55,6 +55,8 @@ def test_it_leaves_what_it_does_not_do_to_the_matmuls():
     assert decode_kernel.attend(query, key, value, additive, 1.0) is None  # a float mask is added, not kept
     assert decode_kernel.attend(query.bfloat16(), key.bfloat16(), value.bfloat16(), None, 1.0) is None
     assert decode_kernel.attend(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, None, 1.0) is None
+    assert decode_kernel.attend(query, key[:1].expand(2, -1, -1, -1), value, None, 1.0) is not None  # strided rows
+    assert decode_kernel.attend(query, key[:1], value[:1], None, 1.0) is None  # rows to broadcast: not its job
 
 
 def test_it_runs_on_the_openmp_runtime_torch_loaded():
