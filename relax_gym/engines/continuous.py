@@ -128,8 +128,7 @@ class SlackLayer(DynamicLayer):
 
     def move_rows(self, to: torch.Tensor, source: torch.Tensor, count: int) -> None:
         """Copies rows `source` over rows `to` in place and keeps the first `count` rows: a row's copy for each that
-        leaves, where `keep_rows` copies every row that stays. Only where `in_place`."""
-        assert self.in_place
+        leaves, where `keep_rows` copies every row that stays. Only where `in_place` (`RunningBatch.keep` asks)."""
         keys, values = _kv(self._key_buffer), _kv(self._value_buffer)
         if len(to):
             keys.index_copy_(0, to, keys.index_select(0, source))

@@ -41,9 +41,14 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    kernel_out = decode_kernel.attend(query, key, value, attention_mask, scale)
-    if kernel_out is not None:
-        return kernel_out, None
+    out = decode_kernel.attend(query, key, value, attention_mask, scale)
+    return (grouped_matmuls(query, key, value, attention_mask, scale) if out is None else out), None
+
+
+def grouped_matmuls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """One decode step's attention as a matmul, a softmax in float32 and a matmul, [B, 1, H, D] from query
+    [B, H, 1, D]: where `decode_kernel` does not apply (another dtype or mask, no C compiler)."""
     rows, heads, _, dim = query.shape
     grouped = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
     # keys times queries, then a transposed view: BLAS runs [T, D] x [D, G] faster than the thin [G, D] x [D, T]
@@ -55,7 +60,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         mask = attention_mask[..., -1:, : key.shape[-2]]
         scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(weights, value).reshape(rows, 1, heads, dim), None
+    return torch.matmul(weights, value).reshape(rows, 1, heads, dim)
 
 
 def use_decode_attention(model: torch.nn.Module) -> bool:

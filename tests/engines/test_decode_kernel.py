@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from relax_gym.engines import decode_kernel
-from relax_gym.engines.decode_attention import decode_attention
+from relax_gym.engines.decode_attention import decode_attention, grouped_matmuls
 
 
 class _Heads(torch.nn.Module):
@@ -22,15 +22,8 @@ class _Heads(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-def _matmuls(monkeypatch: pytest.MonkeyPatch, *args: object) -> torch.Tensor:
-    """`decode_attention` as it runs without the kernel."""
-    with monkeypatch.context() as patch:
-        patch.setattr(decode_kernel, "attend", lambda *_: None)
-        return decode_attention(*args)[0]  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 16), (4, 4, 32), (8, 2, 64)])
-def test_it_attends_as_the_matmuls_do_over_a_cache_with_room(monkeypatch, heads, kv_heads, dim):
+def test_it_attends_as_the_matmuls_do_over_a_cache_with_room(heads, kv_heads, dim):
     generator = torch.Generator().manual_seed(heads)
     rows, length = 5, 11
     query = torch.randn(rows, heads, 1, dim, generator=generator)
@@ -44,7 +37,7 @@ def test_it_attends_as_the_matmuls_do_over_a_cache_with_room(monkeypatch, heads,
     for mask in (None, keep, keep[:1].expand(rows, -1, -1, -1), keep[:1]):
         ours = decode_kernel.attend(query, key, value, mask, 0.3)
         assert ours is not None and ours.shape == (rows, 1, heads, dim)
-        theirs = _matmuls(monkeypatch, module, query, key, value, mask, 0.0, 0.3)
+        theirs = grouped_matmuls(query, key, value, mask, 0.3)
         assert torch.allclose(ours, theirs, atol=1e-6)
         assert torch.equal(decode_attention(module, query, key, value, mask, 0.0, 0.3)[0], ours)
 
@@ -68,7 +61,7 @@ def test_it_runs_on_the_openmp_runtime_torch_loaded():
 
 def test_without_a_compiler_it_says_so_once_and_the_matmuls_answer(monkeypatch, caplog):
     query, key, value = torch.randn(2, 6, 1, 24), torch.randn(2, 2, 5, 24), torch.randn(2, 2, 5, 24)
-    expected = _matmuls(monkeypatch, _Heads(3), query, key, value, None, 0.0, 0.5)
+    expected = grouped_matmuls(query, key, value, None, 0.5)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     decode_kernel.build.cache_clear()
     try:
