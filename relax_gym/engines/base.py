@@ -32,6 +32,11 @@ class EngineError(RuntimeError):
 class RequestError(EngineError):
     """The request itself is invalid (the message names the field): retrying it cannot help."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        #: the HTTP status a server answered with, where one did (a 404 tells an older server's route names)
+        self.status = status
+
 
 def check_fits(prompt: int, max_new_tokens: int, context: int, prompt_field: str,
                max_field: str = "sampling_params.max_new_tokens") -> None:

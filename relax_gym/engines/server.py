@@ -22,6 +22,10 @@ share one served model. What differs from SGLang, by necessity:
   `rank_offset`; received tensors load through the same checked path as the other
   updates, between batches (generation goes on while they arrive). Refused:
   `load_format` (flattened buckets) and `abort_all_requests=true`.
+- As in SGLang 0.5.21+, `/update_weights_from_tensor` and `/update_weights_from_distributed` run only inside
+  a weight-update session (`/begin_weight_update` ... `/end_weight_update`, which neither pause nor flush);
+  outside one they are refused (400) with SGLang's message. `/model_info` and `/server_info` answer under
+  SGLang's current names and its older `get_` ones.
 - `/pause_generation` takes SGLang's modes but "retract": "abort" (the default)
   answers running requests with finish_reason "abort" and their tokens so far
   (message "Aborted"), queued ones with none ("Abort in waiting queue"); "in_place"
@@ -107,7 +111,7 @@ T = TypeVar("T")
 #: the bound of every count a request gives (a vocabulary, a token budget): what a 32-bit field holds
 MAX_INT32 = 2**31 - 1
 #: routes anyone may call: liveness and what model is served (as SGLang leaves them open under --api-key)
-OPEN_ROUTES = frozenset({"/health", "/health_generate", "/get_model_info"})
+OPEN_ROUTES = frozenset({"/health", "/health_generate", "/model_info", "/get_model_info"})
 #: where a refused client finds the key (the 401 says it)
 KEY_HINT = (f"the key the server printed when it started, or the {ENGINE_KEY_ENV} it was started with; relax_gym's "
             f"clients read ${ENGINE_KEY_ENV}")
@@ -293,6 +297,18 @@ class DestroyGroupIn(BaseModel):
 
 class PauseIn(BaseModel):
     mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class BeginWeightUpdateIn(BaseModel):
+    """SGLang 0.5.21+'s /begin_weight_update body: which model's weights (this server has only the target)."""
+
+    selector: Literal["target", "all"] = "all"
+
+
+#: SGLang 0.5.21+'s rule, in its words: a tensor or distributed update runs inside a weight-update session
+OUTSIDE_SESSION = "{route} must run between begin_weight_update() and end_weight_update()"
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
 #: why an update that asks for a cache flush is refused while requests run
@@ -481,6 +497,7 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     queue = QueueShare(limits.max_pending)
     groups: dict[str, WeightGroup] = {}  # weights update groups by name, as SGLang keeps them
     joining: set[str] = set()  # names whose /init_weights_update_group is waiting for the other ranks
+    session = {"open": False}  # SGLang 0.5.21+'s weight-update session: tensor and distributed updates need one
     model_numel = sum(t.numel() for t in engine.model.state_dict().values())
 
     @app.exception_handler(BadRequest)
@@ -532,8 +549,29 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     async def update_from_disk(body: UpdateFromDiskIn) -> JSONResponse:
         return await _update(body.model_path, body.weight_version, body.flush_cache)
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(body: BeginWeightUpdateIn) -> JSONResponse:
+        """Opens the session, as SGLang 0.5.21+ does; it neither pauses nor flushes (pause first for that)."""
+        if session["open"]:
+            return _refused(SESSION_OPEN)
+        session["open"] = True
+        return JSONResponse({"success": True, "message": "Weight update session started."})
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> JSONResponse:
+        if not session["open"]:
+            return _refused(NO_SESSION)
+        session["open"] = False
+        return JSONResponse({"success": True, "message": "Weight update session ended."})
+
+    def _outside_session(route: str) -> JSONResponse | None:
+        """SGLang 0.5.21+'s refusal of a tensor or distributed update outside a session, else None."""
+        return None if session["open"] else _refused(OUTSIDE_SESSION.format(route=route))
+
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(body: UpdateFromTensorIn) -> JSONResponse:
+        if (refusal := _outside_session("update_weights_from_tensor")) is not None:
+            return refusal
         if body.serialized_named_tensors is not None:
             try:  # the sender's memory: `_update` copies it into the model before answering
                 tensors = await asyncio.to_thread(tensor_ipc.load, body.serialized_named_tensors[0])
@@ -589,6 +627,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         (a name, shape or version the model does not take) leaves the group in step for the next update.
 
         What is refused before receiving leaves the trainer's broadcast unanswered: destroy the group then."""
+        if (refusal := _outside_session("update_weights_from_distributed")) is not None:
+            return refusal
         group = _group(body.group_name)
         try:
             dtypes = [parse_dtype(name) for name in body.dtypes]
@@ -660,7 +700,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
             return PlainTextResponse(f"generation failed: {err}", status_code=503)
         return PlainTextResponse("")
 
-    @app.get("/get_model_info")
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older name, which it still answers
     async def model_info() -> dict[str, Any]:
         modalities = engine.loaded.modalities
         return {
@@ -723,7 +764,8 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "relax-gym"}]}
 
-    @app.get("/get_server_info")
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name, which it still answers
     async def server_info() -> dict[str, Any]:
         return {
             "version": __version__,

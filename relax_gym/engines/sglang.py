@@ -33,6 +33,15 @@ integer this client set. Seeds are sent in 31 bits, and `connect()` warns when
 the server ignores them (SGLang without `--enable-deterministic-inference`).
 The distributed routes (`init_weights_update_group` and the rest) send SGLang's own
 bodies, so `relax_gym.trainer.weight_publish` drives either server the same way.
+
+SGLang 0.5.21+ (and `relax-gym serve`) load tensor and distributed updates only inside a
+weight-update session: the client opens one (`/begin_weight_update`) around each such update
+and closes it (`/end_weight_update`) whether the update succeeded or not; a session left open by
+a killed trainer is closed and opened again, with a warning. Older releases get no session.
+The server's release is read from `/server_info` (`/get_server_info` before SGLang named it so),
+the live weight version from `/model_info` (`/get_model_info`): `/server_info` reports launch
+arguments, whose `weight_version` never changes. A release older than `MIN_SGLANG` is refused
+at `connect()`.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +100,10 @@ SERVE_BACKEND = "relax_gym embedded"
 MAX_RESUMES = 16
 #: seconds `pause` retries /flush_cache, which SGLang refuses while aborted requests are still winding down
 FLUSH_TIMEOUT_S = 60.0
+#: the oldest SGLang release the client drives (its `sampling_seed` in an int32, abort-mode pauses, `rid`s)
+MIN_SGLANG = (0, 5, 6)
+#: the first SGLang release that loads tensor and distributed updates only inside a weight-update session
+SESSIONS_SINCE = (0, 5, 21)
 
 
 def video_data_url(video: Video) -> str:
@@ -109,6 +123,14 @@ def wav_data_url(wave: np.ndarray, rate: int) -> str:
     buffer = io.BytesIO()
     soundfile.write(buffer, np.asarray(wave, dtype=np.float32), rate, format="WAV", subtype="FLOAT")
     return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def release(version: Any) -> tuple[int, ...] | None:
+    """SGLang's `version` string as numbers ("0.5.23" -> (0, 5, 23); "0.5.12.post1" -> (0, 5, 12)); None for
+    anything else (`relax-gym serve` reports relax_gym's own version and its `backend`)."""
+    parts = str(version or "").split(".")
+    numbers = [int(p) for p in parts[:3] if p.isdigit()]
+    return tuple(numbers) if len(numbers) == 3 else None
 
 
 def _version(value: Any, fallback: int) -> int:
@@ -209,30 +231,84 @@ class SGLangEngine:
         return self._outages
 
     async def connect(self) -> dict[str, Any]:
-        """Waits (up to `outage_timeout_s`) for the server, resumes generation and returns /get_model_info.
+        """Waits (up to `outage_timeout_s`) for the server, resumes generation and returns /model_info, whose
+        `weight_version` the client takes as the server's (a numeric one; SGLang starts at "default").
 
         A trainer killed between `pause()` and `resume()` leaves the server paused, and every later /generate
         would wait forever. /continue_generation goes first: SGLang's /health generates a token, so it cannot
-        answer 200 while paused."""
+        answer 200 while paused. An SGLang release older than `MIN_SGLANG` is a RequestError naming it."""
         await self.resume()
         await self._request("GET", "/health", None)
         self._info = None  # the server may have been replaced since it was last read
-        if (await self._server_info()).get("enable_deterministic_inference") is False:
+        info = await self._server_info()
+        if (found := release(info.get("version"))) is not None and not self._serve(info) and found < MIN_SGLANG:
+            raise RequestError(f"server at {self.base_url} is SGLang {info.get('version')}; relax_gym drives SGLang "
+                               f"{'.'.join(map(str, MIN_SGLANG))} or later")
+        if info.get("enable_deterministic_inference") is False:
             # SGLang honours `sampling_seed` only in that mode (relax-gym serve always does)
             logger.warning("server at %s ignores per-request seeds (sampling_seed): its samples will not repeat "
                            "from run to run; launch it with --enable-deterministic-inference to seed them",
                            self.base_url)
-        return await self.model_info()
+        model = await self.model_info()
+        self._version = _version(model.get("weight_version"), self._version)
+        return model
 
     async def _server_info(self) -> dict[str, Any]:
-        """/get_server_info (SGLang's launch arguments, or relax-gym serve's own), read once; {} from a server
-        without the route."""
+        """/server_info (SGLang's launch arguments and release, or relax-gym serve's own), read once; {} from a
+        server without the route."""
         if self._info is None:
             try:
-                self._info = (await self._request("GET", "/get_server_info", None)).json()
+                self._info = (await self._get_either("/server_info", "/get_server_info")).json()
             except (RequestError, ValueError):
                 self._info = {}
         return self._info
+
+    async def _get_either(self, route: str, older: str) -> httpx.Response:
+        """GET `route`, or `older` from a server that answers 404 to it (an SGLang release before the rename)."""
+        try:
+            return await self._request("GET", route, None)
+        except RequestError as err:
+            if err.status != 404:
+                raise
+            return await self._request("GET", older, None)
+
+    @staticmethod
+    def _serve(info: Mapping[str, Any]) -> bool:
+        """Whether /server_info is `relax-gym serve`'s."""
+        return str(info.get("backend", "")).startswith(SERVE_BACKEND)
+
+    async def _needs_session(self) -> bool:
+        """Whether tensor and distributed updates need a weight-update session (SGLang 0.5.21+, relax-gym serve)."""
+        info = await self._server_info()
+        found = release(info.get("version"))
+        return self._serve(info) or (found is not None and found >= SESSIONS_SINCE)
+
+    @asynccontextmanager
+    async def _weight_session(self) -> AsyncIterator[None]:
+        """SGLang 0.5.21+'s weight-update session around one update, closed on every path out of it; nothing
+        for a release without sessions. A session that a killed trainer left open is closed and reopened."""
+        if not await self._needs_session():
+            yield
+            return
+        try:
+            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
+        except RequestError as err:
+            if "already open" not in str(err):
+                raise
+            logger.warning("server at %s had a weight-update session open (a trainer stopped inside one?): "
+                           "closing it and opening a new one", self.base_url)
+            await self._request("POST", "/end_weight_update", {})
+            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
+        try:
+            yield
+        except BaseException:
+            try:
+                await self._request("POST", "/end_weight_update", {})
+            except EngineError as err:  # the update's own error is the one to report
+                logger.warning("server at %s: closing the weight-update session after a failed update failed "
+                               "too: %s", self.base_url, err)
+            raise
+        self._succeeded("/end_weight_update", await self._request("POST", "/end_weight_update", {}))
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as
@@ -310,12 +386,13 @@ class SGLangEngine:
             # this process's memory: `shared` holds it until the server has answered (and copied it)
             shared, self._shared = tensor_ipc.pack(weights, into=self._shared), None
             ranks = int((await self._server_info()).get("tp_size") or 1)
-            await self._update("/update_weights_from_tensor",
-                               {"serialized_named_tensors": tensor_ipc.serialize(shared, ranks)}, version)
+            async with self._weight_session():
+                await self._update("/update_weights_from_tensor",
+                                   {"serialized_named_tensors": tensor_ipc.serialize(shared, ranks)}, version)
             if all(t.device.type == "cpu" for _, t in shared):
                 self._shared = shared  # answered, so done with: refilled next time (a GPU buffer goes back to torch)
         elif isinstance(weights, Mapping):
-            if not str((await self._server_info()).get("backend", "")).startswith(SERVE_BACKEND):
+            if not self._serve(await self._server_info()):
                 raise RequestError(
                     f"update_weights: the server at {self.base_url} is SGLang, whose /update_weights_from_tensor "
                     "takes tensors shared from its own host (share_tensors is off: by default, for a URL that is not "
@@ -323,8 +400,9 @@ class SGLangEngine:
                     "weights (weight_sync: distributed)")
             # Copies: safetensors refuses tensors sharing storage (tied embeddings) and non-CPU ones.
             blob = save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()})
-            await self._update("/update_weights_from_tensor", {"safetensors_b64": base64.b64encode(blob).decode()},
-                               version)
+            async with self._weight_session():
+                await self._update("/update_weights_from_tensor",
+                                   {"safetensors_b64": base64.b64encode(blob).decode()}, version)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
 
@@ -352,13 +430,15 @@ class SGLangEngine:
         group_name: str, version: int,
     ) -> None:
         """Has the server receive `names` by broadcast from rank 0 of `group_name`, in this order, then load them
-        and take `version`. Returns when it has: rank 0 broadcasts the tensors meanwhile."""
-        await self._update("/update_weights_from_distributed", {
-            "names": list(names),
-            "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
-            "shapes": [[int(n) for n in shape] for shape in shapes],
-            "group_name": group_name,
-        }, version)
+        and take `version`. Returns when it has: rank 0 broadcasts the tensors meanwhile (inside a weight-update
+        session where the server needs one)."""
+        async with self._weight_session():
+            await self._update("/update_weights_from_distributed", {
+                "names": list(names),
+                "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
+                "shapes": [[int(n) for n in shape] for shape in shapes],
+                "group_name": group_name,
+            }, version)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         route = "/destroy_weights_update_group"
@@ -394,7 +474,8 @@ class SGLangEngine:
         await self._request("POST", "/flush_cache", None)
 
     async def model_info(self) -> dict[str, Any]:
-        return (await self._request("GET", "/get_model_info", None)).json()
+        """/model_info (`/get_model_info` before SGLang renamed it): the model, and the live `weight_version`."""
+        return (await self._get_either("/model_info", "/get_model_info")).json()
 
     async def health(self) -> bool:
         try:
@@ -426,7 +507,9 @@ class SGLangEngine:
                     if response.status_code < 400:
                         return response
                     message = f"{where} answered {response.status_code} to {route}: {error_message(response)}"
-                    raise (RequestError if response.status_code < 500 else EngineError)(message)
+                    if response.status_code < 500:
+                        raise RequestError(message, response.status_code)
+                    raise EngineError(message)
                 last = f"answered {response.status_code}: {error_message(response)}"
             now = time.monotonic()
             failed_at = now if failed_at is None else failed_at

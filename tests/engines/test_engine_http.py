@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import httpx
 import numpy as np
@@ -20,7 +21,18 @@ import pytest
 import soundfile
 import torch
 from PIL import Image
-from support.engines import AUTH, KEY, chaotic_model, free_port, get, make_request, post, serving, teacher_forced
+from support.engines import (
+    AUTH,
+    KEY,
+    chaotic_model,
+    free_port,
+    get,
+    make_request,
+    post,
+    serving,
+    teacher_forced,
+    weight_session,
+)
 
 from relax_gym import messages as M
 from relax_gym.engines import (
@@ -218,7 +230,8 @@ def test_media_as_data_urls_bare_base64_and_text_prompts(servers, references):
 def test_malformed_requests_get_400_naming_the_field(servers, route, body, field):
     # a medium goes to a model that takes it (a text model refuses every medium before decoding it)
     name = "tiny-audio" if "audio_data" in body else "tiny-vl" if {"image_data", "video_data"} & set(body) else "tiny"
-    response = post(f"{servers[name]}{route}", json=body, timeout=30)
+    with weight_session(servers[name]) if route == "/update_weights_from_tensor" else nullcontext():
+        response = post(f"{servers[name]}{route}", json=body, timeout=30)
     assert response.status_code == 400, response.text
     message = response.json().get("error", {}).get("message") or response.json().get("message")
     assert field in message, message

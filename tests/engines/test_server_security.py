@@ -31,7 +31,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save
-from support.engines import AUTH, KEY, free_port, get, post, serving
+from support.engines import AUTH, KEY, free_port, get, post, serving, weight_session
 
 from relax_gym.engines import RequestError, SGLangEngine
 from relax_gym.engines.base import API_KEY_ENV
@@ -181,7 +181,8 @@ def test_bad_weight_updates_are_refused_before_they_touch_the_model(server, tens
     url, engine = server
     norm, before = engine.model.model.norm.weight.detach().clone(), engine.weight_version
     body = {"safetensors_b64": base64.b64encode(save(tensors)).decode(), "weight_version": version}
-    response = post(f"{url}/update_weights_from_tensor", json=body, timeout=30)
+    with weight_session(url):
+        response = post(f"{url}/update_weights_from_tensor", json=body, timeout=30)
     assert response.status_code == 400 and field in _message(response), response.text
     assert torch.equal(engine.model.model.norm.weight, norm) and engine.weight_version == before
 
@@ -200,11 +201,12 @@ def test_weight_versions_only_go_up(server):
     url, engine = server
     current = engine.weight_version
     blob = base64.b64encode(save({"model.norm.weight": engine.model.model.norm.weight.detach().clone()})).decode()
-    ok = post(f"{url}/update_weights_from_tensor", json={"safetensors_b64": blob, "weight_version": current + 5},
-              timeout=30)
-    assert ok.status_code == 200, ok.text
-    older = post(f"{url}/update_weights_from_tensor", json={"safetensors_b64": blob, "weight_version": current + 4},
-                 timeout=30)
+    with weight_session(url):
+        ok = post(f"{url}/update_weights_from_tensor", json={"safetensors_b64": blob, "weight_version": current + 5},
+                  timeout=30)
+        assert ok.status_code == 200, ok.text
+        older = post(f"{url}/update_weights_from_tensor",
+                     json={"safetensors_b64": blob, "weight_version": current + 4}, timeout=30)
     assert older.status_code == 400 and "older than the served weights'" in _message(older)
     assert engine.weight_version == current + 5
 

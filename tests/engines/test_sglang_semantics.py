@@ -9,19 +9,22 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import httpx
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save
-from support.engines import AUTH, KEY, chaotic_model, make_request, serving, teacher_forced
+from support.engines import AUTH, KEY, chaotic_model, make_request, serving, serving_app, teacher_forced
+from support.fake_sglang_server import FLUSHED, NOT_FLUSHED, sglang_app
 
 from relax_gym import messages as M
 from relax_gym.engines import EngineError, RequestError, SamplingParams, SGLangEngine, tensor_ipc
 from relax_gym.engines.embedded import EmbeddedEngine
-from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED
+from relax_gym.engines.server import NO_SESSION, SESSION_OPEN
+from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SESSIONS_SINCE, release
 from relax_gym.models import LoadedModel, load_model, processor_inputs
 from relax_gym.models.inputs import at_model_rate
 from relax_gym.rollout.tokens import ConversationTokens
@@ -74,7 +77,9 @@ def test_an_abort_mode_pause_answers_running_and_queued_requests_as_sglang_does(
             queued = asyncio.create_task(http.post("/generate", json=_body(prompt, 4)))
             await asyncio.sleep(0.05)
             flush_busy = await http.post("/flush_cache")
+            await http.post("/begin_weight_update", json={})
             update_busy = await http.post("/update_weights_from_tensor", json={"safetensors_b64": NORM_ONES})
+            await http.post("/end_weight_update", json={})
             paused = await http.post("/pause_generation", json={})  # SGLang's default mode: abort
             answers = [(await task).json() for task in (running, queued)]
             flush_idle = await http.post("/flush_cache")
@@ -201,30 +206,40 @@ def test_seeds_go_to_sglang_in_31_bits():
 
 
 class RecordedSGLang:
-    """SGLang's answers, as its routes give them (0.5.2x), over an httpx transport: a stand-in for the server where
-    only the request and response shapes matter. `busy_flushes` is how many /flush_cache calls find requests still
-    running (400), as after an abort-mode pause. Every request's route and JSON body is kept in `sent`."""
+    """SGLang's answers, as 0.5.23's routes give them (`version` says which release; before 0.5.21 there is no
+    weight-update session), over an httpx transport: a stand-in for the server where only the request and response
+    shapes matter. `busy_flushes` is how many /flush_cache calls find requests still running (400), as after an
+    abort-mode pause. Every request's route and JSON body is kept in `sent`."""
 
-    def __init__(self, deterministic: bool | None = False, busy_flushes: int = 0):
-        self.info = {"model_path": "Qwen/Qwen3-0.6B", "tp_size": 1, "weight_version": "default", "version": "0.5.23"}
+    def __init__(self, deterministic: bool | None = False, busy_flushes: int = 0, version: str = "0.5.23"):
+        self.info = {"model_path": "Qwen/Qwen3-0.6B", "tp_size": 1, "weight_version": "default", "version": version}
         if deterministic is not None:
             self.info["enable_deterministic_inference"] = deterministic
         self.busy_flushes = busy_flushes
+        self.sessions = release(version) >= SESSIONS_SINCE
+        self.session = False
         self.sent: list[tuple[str, object]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         self.sent.append((request.url.path, body))
-        match request.url.path:
+        route = request.url.path
+        match route:
             case "/flush_cache" if self.busy_flushes:
                 self.busy_flushes -= 1
-                return httpx.Response(400, text="Cache not flushed. Please check backend logs for more details. (When "
-                                                "there are running or waiting requests, the operation will not be "
-                                                "performed.)\n")
+                return httpx.Response(400, text=NOT_FLUSHED)
             case "/flush_cache":
-                return httpx.Response(200, text="Cache flushed.\nPlease check backend logs for more details. (When "
-                                                "there are running or waiting requests, the operation will not be "
-                                                "performed.)\n")
+                return httpx.Response(200, text=FLUSHED)
+            case "/begin_weight_update" | "/end_weight_update" if self.sessions:
+                opening = route == "/begin_weight_update"
+                if self.session == opening:
+                    return httpx.Response(400, json={"success": False, "message": "a weight-update session is "
+                                                     "already open" if opening else "no weight-update session"})
+                self.session = opening
+                return httpx.Response(200, json={"success": True, "message": "Success"})
+            case "/update_weights_from_tensor" if self.sessions and not self.session:
+                return httpx.Response(400, json={"success": False, "message": "update_weights_from_tensor must run "
+                                                 "between begin_weight_update() and end_weight_update()"})
             case "/update_weights_from_tensor":  # SGLang: each TP rank unpickles its entry and loads the tensors
                 self.received = [tensor_ipc.load(entry) for entry in body["serialized_named_tensors"]]
                 return httpx.Response(200, json={"success": True, "message": "Success"})
@@ -233,11 +248,13 @@ class RecordedSGLang:
                                                  "num_paused_requests": 0})
             case "/health":
                 return httpx.Response(200)
-        answers = {"/continue_generation": {"status": "ok", "message": "Generation continued."},
+        answers = {"/continue_generation": {"status": "ok", "message": "Generation continued successfully."},
                    "/pause_generation": {"status": "ok", "message": "Generation paused successfully."},
-                   "/get_server_info": self.info,
-                   "/get_model_info": {"model_path": "Qwen/Qwen3-0.6B", "is_generation": True}}
-        return httpx.Response(200, json=answers[request.url.path])
+                   "/server_info": self.info,
+                   "/model_info": {"model_path": "Qwen/Qwen3-0.6B", "is_generation": True, "weight_version": "7"}}
+        if route not in answers:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=answers[route])
 
     def client(self, **kwargs) -> SGLangEngine:
         client = SGLangEngine("http://127.0.0.1:9", backoff_s=0.01, **kwargs)
@@ -274,7 +291,9 @@ def test_a_state_dict_goes_to_sglang_as_its_serialized_named_tensors_one_per_tp_
         await client.update_weights(weights, 4)
 
     asyncio.run(_using(sglang.client(), push))
-    route, body = sglang.sent[-1]
+    assert [route for route, _ in sglang.sent] == ["/server_info", "/begin_weight_update",
+                                                   "/update_weights_from_tensor", "/end_weight_update"]
+    route, body = sglang.sent[2]
     assert route == "/update_weights_from_tensor" and len(body["serialized_named_tensors"]) == 2
     assert {k: v for k, v in body.items() if k != "serialized_named_tensors"} == {"weight_version": "4",
                                                                                   "flush_cache": False}
@@ -287,7 +306,7 @@ def test_a_state_dict_goes_to_sglang_as_its_serialized_named_tensors_one_per_tp_
 
     remote = RecordedSGLang()
     asyncio.run(_using(remote.client(share_tensors=False), refused))
-    assert [route for route, _ in remote.sent] == ["/get_server_info"]  # the state dict was never sent
+    assert [route for route, _ in remote.sent] == ["/server_info"]  # the state dict was never sent
 
 
 async def _using(client: SGLangEngine, use) -> None:
@@ -298,7 +317,7 @@ async def _using(client: SGLangEngine, use) -> None:
 
 
 def test_connecting_to_an_sglang_that_ignores_seeds_says_so_once(caplog):
-    """SGLang's /get_server_info lists its launch arguments; without deterministic inference `sampling_seed` is
+    """SGLang's /server_info lists its launch arguments; without deterministic inference `sampling_seed` is
     ignored, which the client says when it connects (a server without the field, like relax-gym serve, is quiet)."""
     warnings = []
     for deterministic in (False, True, None):
@@ -308,3 +327,151 @@ def test_connecting_to_an_sglang_that_ignores_seeds_says_so_once(caplog):
         warnings.append([r.getMessage() for r in caplog.records])
     assert len(warnings[0]) == 1 and "--enable-deterministic-inference" in warnings[0][0]
     assert warnings[1:] == [[], []]
+
+
+# --- SGLang 0.5.21+'s weight-update sessions and route names ----------------------------------------------------
+
+
+class SessionlessClient(SGLangEngine):
+    """The client as it was before SGLang 0.5.21: it sends tensor and distributed updates without a session."""
+
+    @asynccontextmanager
+    async def _weight_session(self) -> AsyncIterator[None]:
+        yield
+
+
+@pytest.fixture(scope="module")
+def fake_sglang() -> Iterator[tuple[str, EmbeddedEngine]]:
+    """The SGLang 0.5.23 double (`support.fake_sglang_server`) in this process, on the tiny model."""
+    engine = EmbeddedEngine(chaotic_model("tiny"), max_batch_size=1)
+    try:
+        with serving_app(sglang_app(engine, api_key=KEY, model_path="tiny", deterministic=True)) as url:
+            yield url, engine
+    finally:
+        asyncio.run(engine.close())
+
+
+def test_the_client_opens_a_weight_update_session_around_a_tensor_push_where_the_old_one_was_refused(fake_sglang):
+    """SGLang 0.5.23 refuses /update_weights_from_tensor outside /begin_weight_update ... /end_weight_update
+    (400, its own message): the client before sessions fails against the double at its first push, today's
+    loads the weights, and the live version is /model_info's (/server_info keeps its launch value)."""
+    url, engine = fake_sglang
+    norm = {"model.norm.weight": torch.full((64,), 1.5)}
+
+    async def old() -> None:
+        client = SessionlessClient(url, api_key=KEY)
+        try:
+            await client.connect()
+            with pytest.raises(RequestError, match=r"400 to /update_weights_from_tensor: update_weights_from_tensor "
+                                                   r"must run between begin_weight_update\(\) and end_weight_update"):
+                await client.update_weights(norm, 3)
+        finally:
+            await client.close()
+
+    async def new() -> dict:
+        client = SGLangEngine(url, api_key=KEY)
+        try:
+            await client.connect()
+            await client.pause()
+            await client.update_weights(norm, 3)
+            await client.resume()
+            return {"model": await client.model_info(), "server": await client._server_info(),
+                    "version": client.weight_version}
+        finally:
+            await client.close()
+
+    asyncio.run(old())
+    assert engine.weight_version == 0
+    seen = asyncio.run(new())
+    assert torch.equal(engine.model.model.norm.weight, norm["model.norm.weight"]) and engine.weight_version == 3
+    assert seen["model"]["weight_version"] == "3" and seen["version"] == 3
+    assert seen["server"]["version"] == "0.5.23" and seen["server"]["weight_version"] == "default"
+    # the session is closed: another one opens
+    assert httpx.post(f"{url}/begin_weight_update", headers=AUTH, json={}).status_code == 200
+    assert httpx.post(f"{url}/end_weight_update", headers=AUTH, json={}).status_code == 200
+
+
+def test_the_double_answers_what_sglang_0_5_23_answers(fake_sglang):
+    url, _ = fake_sglang
+    flushed = httpx.post(f"{url}/flush_cache", headers=AUTH)
+    assert flushed.status_code == 200 and flushed.text == FLUSHED
+    assert httpx.get(f"{url}/get_weight_version", headers=AUTH).status_code == 404
+    ended = httpx.post(f"{url}/end_weight_update", headers=AUTH, json={})
+    assert ended.status_code == 400 and ended.json() == {"success": False, "message": NO_SESSION}
+    assert httpx.post(f"{url}/begin_weight_update", headers=AUTH, json={}).status_code == 200
+    again = httpx.post(f"{url}/begin_weight_update", headers=AUTH, json={})
+    assert again.status_code == 400 and again.json()["message"] == SESSION_OPEN
+    assert httpx.post(f"{url}/end_weight_update", headers=AUTH, json={}).status_code == 200
+
+
+def test_a_failed_update_closes_its_session_and_a_stale_session_is_reopened(fake_sglang, caplog):
+    url, engine = fake_sglang
+
+    async def run() -> None:
+        client = SGLangEngine(url, api_key=KEY)
+        try:
+            with pytest.raises(RequestError, match=r"shape \(65,\)"):
+                await client.update_weights({"model.norm.weight": torch.ones(65)}, 50)
+            assert httpx.post(f"{url}/begin_weight_update", headers=AUTH, json={}).status_code == 200  # closed
+            # left open, as by a trainer killed inside a session: closed and opened again, with a warning
+            with caplog.at_level("WARNING", logger="relax_gym.engines"):
+                await client.update_weights({"model.norm.weight": torch.ones(64)}, 51)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert engine.weight_version == 51
+    assert any("had a weight-update session open" in r.getMessage() for r in caplog.records)
+    assert httpx.post(f"{url}/end_weight_update", headers=AUTH, json={}).status_code == 400  # none left open
+
+
+@pytest.mark.parametrize("version, session", [("0.5.20", False), ("0.5.21", True), ("0.5.23", True)])
+def test_a_session_goes_only_to_the_releases_that_have_one(version, session):
+    sglang = RecordedSGLang(version=version)
+
+    async def push(client: SGLangEngine) -> None:
+        await client.update_weights({"model.norm.weight": torch.ones(3)}, 2)
+
+    asyncio.run(_using(sglang.client(), push))
+    routes = [route for route, _ in sglang.sent]
+    assert ("/begin_weight_update" in routes) is session and routes.count("/update_weights_from_tensor") == 1
+
+
+def test_connect_reads_the_live_version_and_refuses_a_release_too_old():
+    sglang = RecordedSGLang(deterministic=True)
+
+    async def connected(client: SGLangEngine) -> None:
+        await client.connect()
+        assert client.weight_version == 7  # /model_info's; /server_info's "default" is the launch value
+
+    asyncio.run(_using(sglang.client(), connected))
+    assert "/model_info" in [route for route, _ in sglang.sent]
+
+    async def refused(client: SGLangEngine) -> None:
+        with pytest.raises(RequestError, match=r"http://127.0.0.1:9 is SGLang 0.5.5; relax_gym drives SGLang 0.5.6"):
+            await client.connect()
+
+    asyncio.run(_using(RecordedSGLang(version="0.5.5").client(), refused))
+
+
+def test_a_release_before_the_renames_is_read_by_its_older_route_names():
+    """SGLang before /server_info and /model_info answered only /get_server_info and /get_model_info."""
+    sglang = RecordedSGLang(deterministic=True, version="0.5.6")
+    calls = sglang.__call__
+
+    def older(request: httpx.Request) -> httpx.Response:
+        renamed = {"/get_server_info": "/server_info", "/get_model_info": "/model_info"}
+        if request.url.path in ("/server_info", "/model_info"):
+            sglang.sent.append((request.url.path, None))
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path in renamed:
+            return calls(httpx.Request(request.method, request.url.copy_with(path=renamed[request.url.path])))
+        return calls(request)
+
+    async def connected(client: SGLangEngine) -> None:
+        client._client = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(older))
+        await client.connect()
+        assert client.weight_version == 7
+
+    asyncio.run(_using(sglang.client(), connected))
+    assert [r for r, _ in sglang.sent if "info" in r] == ["/server_info", "/server_info", "/model_info", "/model_info"]

@@ -17,7 +17,7 @@ from datetime import timedelta
 import httpx
 import pytest
 import torch
-from support.engines import KEY, free_port, get, post, serving
+from support.engines import KEY, free_port, get, post, serving, weight_session
 
 from relax_gym.engines import EmbeddedEngine, EngineError, SGLangEngine
 from relax_gym.engines.weight_group import create_group, dtype_name, join_group, open_store, parse_dtype
@@ -103,7 +103,10 @@ def test_publish_twice_then_change_members(servers):
 def test_routes_validate_their_bodies(servers):
     (url, _), _ = servers
     update = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2]], "group_name": "nope"}
-    response = post(f"{url}/update_weights_from_distributed", json=update, timeout=10)
+    outside = post(f"{url}/update_weights_from_distributed", json=update, timeout=10)  # SGLang 0.5.21+'s rule
+    assert outside.status_code == 400 and "must run between begin_weight_update()" in outside.json()["message"]
+    with weight_session(url):
+        response = post(f"{url}/update_weights_from_distributed", json=update, timeout=10)
     assert response.status_code == 400 and "'nope'" in response.json()["error"]["message"]
 
     cases = [
@@ -114,7 +117,8 @@ def test_routes_validate_their_bodies(servers):
         ({**update, "names": ["x", "x"], "dtypes": ["float32"] * 2, "shapes": [[1]] * 2}, "names"),
     ]
     for body, field in cases:
-        response = post(f"{url}/update_weights_from_distributed", json=body, timeout=10)
+        with weight_session(url):
+            response = post(f"{url}/update_weights_from_distributed", json=body, timeout=10)
         assert response.status_code == 400 and field in response.text, (body, response.text)
 
     init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 2, "world_size": 2}
@@ -135,8 +139,9 @@ def test_a_second_group_of_one_name_is_refused(servers):
                     "group_name": "taken", "backend": "gloo"}
             response = post(f"{url}/init_weights_update_group", json=init, timeout=10)
             assert response.status_code == 400 and "'taken' exists" in response.json()["message"]
-            response = post(f"{url_b}/update_weights_from_distributed", timeout=10,
-                            json={"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "taken"})
+            with weight_session(url_b):
+                response = post(f"{url_b}/update_weights_from_distributed", timeout=10,
+                                json={"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "taken"})
             assert response.status_code == 400 and "'taken'" in response.text  # b is not in it
         finally:
             await publisher.close()

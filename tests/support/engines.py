@@ -68,6 +68,17 @@ def get(url: str, **kwargs) -> httpx.Response:
     return httpx.get(url, headers=AUTH, **kwargs)
 
 
+@contextmanager
+def weight_session(url: str) -> Iterator[None]:
+    """A weight-update session on the server at `url` (SGLang 0.5.21+'s and relax-gym serve's rule: tensor and
+    distributed updates load only inside one), for tests that post those routes themselves."""
+    assert post(f"{url}/begin_weight_update", json={}, timeout=10).status_code == 200
+    try:
+        yield
+    finally:
+        post(f"{url}/end_weight_update", json={}, timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
