@@ -59,6 +59,7 @@ from relax_gym.engines.http_engine import (
     span_versions,
     version_number,
 )
+from relax_gym.errors import StartupError
 
 logger = logging.getLogger("relax_gym.engines")
 
@@ -361,9 +362,11 @@ def vllm_engine(loaded: Any, settings: Any) -> Any:
     config = loaded.model.config
     context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None) or 4096
     logger.info("starting vLLM on %s (port %d; about a minute on a CPU)", folder, port)
-    # the context an episode may use, not the model's whole one: vLLM sizes its step budget by it
-    server = launch_vllm_server(folder, port, dtype=dtype, max_model_len=min(int(context), settings.max_total_tokens),
-                                die_with_parent=True)
+    try:  # the context an episode may use, not the model's whole one: vLLM sizes its step budget by it
+        server = launch_vllm_server(folder, port, dtype=dtype,
+                                    max_model_len=min(int(context), settings.max_total_tokens), die_with_parent=True)
+    except EngineError as err:  # not installed, or it would not start: nothing of the run has started
+        raise StartupError(f"rollout.engine=vllm: {err}") from None
     engine = VLLMEngine(server.url, outage_timeout_s=settings.engine_outage_timeout_s, expected_model=folder)
     engine.server = server
     return engine
