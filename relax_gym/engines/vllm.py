@@ -334,6 +334,16 @@ def launch_vllm_server(
     raise EngineError(f"vLLM at {server.url} was not healthy within {timeout_s} s:\n{server.log_tail()}")
 
 
+def model_folder(loaded: Any) -> str:
+    """A folder vLLM can load `loaded` from: its own, else the model saved to a temporary one (a tiny model, a
+    GGUF file)."""
+    if os.path.isdir(loaded.name):
+        return str(loaded.name)
+    from relax_gym.models import save_model
+
+    return str(save_model(loaded, tempfile.mkdtemp(prefix="relax-gym-vllm-model-")))
+
+
 def vllm_engine(loaded: Any, settings: Any) -> Any:
     """The engine `rollout.engine: vllm` names: a client of `engine_url`, a router over `engine_urls`, or, with
     neither, a client of a server started here on `loaded`'s folder (the model saved to a temporary folder first
@@ -350,10 +360,7 @@ def vllm_engine(loaded: Any, settings: Any) -> Any:
     if settings.engine_url:
         return VLLMEngine(settings.engine_url, outage_timeout_s=settings.engine_outage_timeout_s,
                           expected_model=folder)
-    if folder is None:
-        from relax_gym.models import save_model
-
-        folder = str(save_model(loaded, tempfile.mkdtemp(prefix="relax-gym-vllm-model-")))
+    folder = model_folder(loaded)
     dtype = settings.engine_dtype if settings.engine_dtype != "auto" else \
         str(loaded.model.dtype).removeprefix("torch.")
     with socket.socket() as sock:

@@ -329,3 +329,29 @@ def test_sglang_engines_are_launched_supervised_and_replaced(ray_cluster, refere
                          f"cluster.engines.launch=[{sys.executable}, {fake}]"), on_step=chaos)
     assert losses(records(run_dir)) == losses(reference)
     assert_exactly_once(run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_vllm_engines_are_launched_supervised_and_replaced(ray_cluster, smollm2, tmp_path):
+    """`cluster.engines.kind=vllm`: the engine actor starts a real vLLM server on the run's model, workers route
+    to it over HTTP, weights go by disk each step; a killed actor takes its server with it, and the engine comes
+    back on a new server synced to the published weights. Every task trains exactly once."""
+    import httpx
+
+    run_dir = tmp_path / "run"
+
+    async def chaos(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            url = run.fleet.slots["engine-0"].url
+            ray.kill(run.fleet.slots["engine-0"].actor)
+            await restarted(run, "engine-0", timeout_s=300)
+            with pytest.raises(httpx.HTTPError):  # the old server died with its actor
+                httpx.get(f"{url}/health", timeout=2)
+
+    train_cluster(config(run_dir, f"model={smollm2}", "cluster.engines.kind=vllm", "cluster.weight_sync=disk",
+                         "cluster.engines.count=1", "cluster.rollout_workers.count=1", "rollout.max_new_tokens=24",
+                         "trainer.lr=1e-6", "cluster.health.stall_s=120", "cluster.health.probe_timeout_s=30"),
+                  on_step=chaos)
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
+    assert_exactly_once(run_dir)
+    assert any(e["event"] == "engine_restarted" for e in events(run_dir)), events(run_dir)

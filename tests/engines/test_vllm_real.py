@@ -242,3 +242,75 @@ def test_a_run_without_vllm_installed_stops_in_one_line_naming_the_install_comma
     said = capsys.readouterr()
     assert code == 2 and "bash scripts/setup_vllm_venv.sh" in said.err + said.out, said
     assert "Traceback" not in said.err + said.out
+
+
+class Proxy:
+    """A loopback TCP proxy to `port` in a thread of its own; `kill()` drops it and every connection through it
+    at once, as a vLLM server that dies mid-request does to its clients."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.target = port
+        self.loop = asyncio.new_event_loop()
+        self.writers: list[asyncio.StreamWriter] = []
+        ready = threading.Event()
+
+        async def start() -> None:
+            self.server = await asyncio.start_server(self._pipe, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(start()), self.loop.run_forever()),
+                                       daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers += [writer, up_writer]
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer), return_exceptions=True)
+
+    def kill(self) -> None:
+        async def drop() -> None:
+            self.server.close()
+            for writer in self.writers:
+                writer.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(drop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_vllm_that_dies_mid_request_is_failed_over_by_the_router(vllm_server, smol):
+    """Behind `EngineRouter`, a vLLM member whose connection dies mid-request is marked down and the same
+    request goes to another member, which answers it whole (the router's rules, as for SGLang)."""
+    from relax_gym.engines.router import EngineRouter
+
+    proxy = Proxy(int(vllm_server.rsplit(":", 1)[1]))
+    request = make_request(smol, [M.user("Write a long story about an owl.")],
+                           SamplingParams(temperature=0, max_new_tokens=300))
+    request.rid = "owls/0/0"
+
+    async def run():
+        members = {"a-proxied": VLLMEngine(proxy.url, outage_timeout_s=2, retries=1),
+                   "b-direct": VLLMEngine(vllm_server, outage_timeout_s=2, retries=1)}
+        router = EngineRouter(members, wait_s=30)
+        try:
+            await router.connect()
+            running = asyncio.create_task(router.generate(request))
+            await asyncio.sleep(3.0)
+            proxy.kill()
+            out = await running
+            return out, router.failovers, await members["b-direct"].generate(request)
+        finally:
+            await router.close()
+
+    out, failovers, direct = asyncio.run(run())
+    assert failovers == 1 and out.finish_reason in ("stop", "length") and out.output_ids == direct.output_ids

@@ -20,18 +20,20 @@ class EnginesSection(_Strict):
 
     `kind: embedded` serves rollout workers through actor calls; `kind: serve` has each actor serve SGLang's
     native HTTP routes (`relax-gym serve`'s app), which workers call as they would an SGLang server; `kind: sglang`
-    has each actor start an SGLang server (`python -m sglang.launch_server`, or `launch`) on its GPUs."""
+    has each actor start an SGLang server (`python -m sglang.launch_server`, or `launch`) on its GPUs; `kind: vllm`
+    a vLLM server (`relax_gym.engines.vllm.launch_vllm_server`, `args` added to its flags)."""
 
-    kind: Literal["embedded", "serve", "sglang"] = Field(
+    kind: Literal["embedded", "serve", "sglang", "vllm"] = Field(
         "embedded",
         description="how engine actors serve: \"embedded\" (actor calls), \"serve\" (SGLang's HTTP routes, `relax-gym "
-        "serve`'s app) or \"sglang\" (an SGLang server each actor starts on its GPUs)",
+        "serve`'s app), \"sglang\" (an SGLang server each actor starts on its GPUs) or \"vllm\" (a vLLM server each "
+        "actor starts, as `rollout.engine: vllm` does; servers registered by URL are then vLLM too)",
     )
     launch: list[str] | None = Field(None, description="`kind: sglang`: the command that replaces `python -m "
                                      "sglang.launch_server` (a wrapper, a container); it is given SGLang's arguments "
                                      "(--model-path, --host, --port, --tp-size, --api-key, then `args`)")
-    args: list[str] = Field(default_factory=list, description="`kind: sglang`: more arguments for the server, e.g. "
-                            "[--mem-fraction-static, \"0.8\"]")
+    args: list[str] = Field(default_factory=list, description="`kind: sglang` or `vllm`: more arguments for the "
+                            "server, e.g. [--mem-fraction-static, \"0.8\"]")
     host: str | None = Field(None, description="where a served engine listens: default loopback on a local "
                              "cluster, the node's address on a joined one")
     count: int = Field(2, ge=1, description="engine actors started with the run (the control API scales them)")
@@ -133,6 +135,9 @@ class ClusterSection(_Strict):
         if self.weight_sync == "distributed" and self.engines.kind == "embedded":
             raise ValueError("cluster.weight_sync=distributed reaches engines through SGLang's HTTP routes: set "
                              "cluster.engines.kind=serve or sglang (or use object_store / disk)")
+        if self.engines.kind == "vllm" and self.weight_sync != "disk":
+            raise ValueError(f"cluster.engines.kind=vllm takes weights from disk only (vLLM 0.32's tensor transports "
+                             f"need a GPU): set cluster.weight_sync=disk, not {self.weight_sync}")
         if self.engines.kind == "sglang" and self.weight_sync == "object_store":
             raise ValueError("cluster.engines.kind=sglang takes weights from disk or by broadcast (SGLang's "
                              "/update_weights_from_tensor takes only tensors shared from its own host): set "

@@ -24,6 +24,7 @@ import torch
 from relax_gym.engines.base import Engine, EngineError
 from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 from relax_gym.engines.sglang import SGLangEngine
+from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
@@ -36,7 +37,7 @@ from relax_gym.trainer.config import TrainConfig
 START_TIMEOUT_S = 300.0
 #: engines seen only through their HTTP routes (an external server, an SGLang process): no progress view, so
 #: they are probed every poll, and they load weights through their own routes
-OUTSIDE_VIEW = ("http", "sglang")
+OUTSIDE_VIEW = ("http", "sglang", "vllm")
 #: weight folders kept by the disk strategy: the newest (for joining engines) and the one before
 KEEP_FOLDERS = 2
 
@@ -50,7 +51,7 @@ class EngineSlot:
     """One engine: `actor` is None for an external server registered by URL (`kind` http)."""
 
     engine_id: str
-    kind: str  # embedded | serve | http
+    kind: str  # embedded | serve | sglang | vllm | http
     actor: Any
     client: Engine | None  # None until its actor exists
     state: EngineState
@@ -132,7 +133,7 @@ class ActorFleet:
         options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "max_restarts": 0,
                                    "max_task_retries": 0, "max_concurrency": 1000, **in_group(slot.group)}
         fault = self.faults.pop(slot.engine_id, None)
-        if slot.kind == "sglang":
+        if slot.kind in ("sglang", "vllm"):
             slot.actor = ray.remote(ServerSupervisor).options(**options).remote(slot.engine_id, self.cfg)
         else:
             slot.actor = ray.remote(EngineService).options(**options).remote(slot.engine_id, self.cfg, fault)
@@ -156,9 +157,9 @@ class ActorFleet:
             else:
                 await self._spawn(slot)
                 await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
-                if slot.kind in ("serve", "sglang"):
+                if slot.kind in ("serve", "sglang", "vllm"):
                     slot.url = await call(slot.actor.serve_http, self._host(), self.api_key)
-                    slot.client = member_client(slot.url, self.api_key)
+                    slot.client = member_client(slot.url, self.api_key, slot.kind)
             step = "HEALTH_CHECKING"
             enter("HEALTH_CHECKING")
             if not await asyncio.wait_for(self.probe(slot), self.cluster.health.probe_timeout_s):
@@ -234,8 +235,8 @@ class ActorFleet:
                               restarts=RestartBudget(h.engine_restarts, h.restart_window_s))
         else:
             # its own key: $RELAX_GYM_API_KEY (read here, where the operator set it), never the served engines'
-            slot = EngineSlot(engine_id, "http", None, member_client(url, None), "STARTING", initial=False,
-                              url=url.rstrip("/"))
+            slot = EngineSlot(engine_id, "http", None, member_client(url, None, self.cluster.engines.kind),
+                              "STARTING", initial=False, url=url.rstrip("/"))
         self.slots[engine_id] = slot
         started = time.monotonic()
         try:
@@ -388,8 +389,11 @@ class ActorFleet:
                 await slot.client.close()
 
 
-def member_client(url: str, api_key: str | None) -> SGLangEngine:
+def member_client(url: str, api_key: str | None, kind: str = "sglang") -> SGLangEngine | VLLMEngine:
     """A router member for an engine server: a short outage budget, so a dead server fails over at once (the
-    router's own wait bounds the whole outage). `api_key` None: $RELAX_GYM_API_KEY."""
+    router's own wait bounds the whole outage). `api_key` None: $RELAX_GYM_API_KEY. A vLLM client for
+    `kind` "vllm" (the run's engines, and servers registered by URL in such a run), else an SGLang one."""
+    if kind == "vllm":
+        return VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, api_key=api_key)
     return SGLangEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, max_connections=None,
                         api_key=api_key)

@@ -132,7 +132,8 @@ class EngineService:
 
 
 class ServerSupervisor:
-    """An engine that is a server process of its own (SGLang's `launch_server`, or `cluster.engines.launch`),
+    """An engine that is a server process of its own (SGLang's `launch_server`, or `cluster.engines.launch`; vLLM's
+    API server as `launch_vllm_server` starts it, on the run's model folder),
     started and owned by this actor: the server gets the actor's GPUs and dies with it. Workers reach it over
     HTTP; the health manager sees no progress from here (no `stats`), so it probes the server itself."""
 
@@ -149,6 +150,8 @@ class ServerSupervisor:
         """Starts the server on a free port of `host` and returns its URL once /health answers. The thread that
         starts it stays its parent for its whole life, so the kernel kills it when this actor dies."""
         from relax_gym.engines.sglang import launch_sglang_server
+        from relax_gym.engines.vllm import launch_vllm_server, model_folder
+        from relax_gym.trainer.policy import load_policy
 
         assert self.cfg.cluster is not None
         c = self.cfg.cluster.engines
@@ -159,9 +162,17 @@ class ServerSupervisor:
         started: asyncio.Future[Any] = loop.create_future()
 
         def parent() -> None:
+            server: Any
             try:
-                server = launch_sglang_server(self.cfg.model.path, port, "--tp-size", str(c.tp), "--api-key", api_key,
-                                              *c.args, host=host, command=c.launch, die_with_parent=True)
+                if c.kind == "vllm":
+                    folder = path if os.path.isdir(path := os.path.expanduser(str(self.cfg.model.path))) else \
+                        model_folder(load_policy(self.cfg))
+                    server = launch_vllm_server(folder, port, host=host, api_key=api_key,
+                                                extra=c.args, max_model_len=self.cfg.rollout.max_total_tokens,
+                                                die_with_parent=True)
+                else:
+                    server = launch_sglang_server(self.cfg.model.path, port, "--tp-size", str(c.tp), "--api-key",
+                                                  api_key, *c.args, host=host, command=c.launch, die_with_parent=True)
             except BaseException as err:
                 loop.call_soon_threadsafe(started.set_exception, err)
                 return
