@@ -314,3 +314,76 @@ def test_a_vllm_that_dies_mid_request_is_failed_over_by_the_router(vllm_server, 
 
     out, failovers, direct = asyncio.run(run())
     assert failovers == 1 and out.finish_reason in ("stop", "length") and out.output_ids == direct.output_ids
+
+
+def _recorded_vllm(*, dev_mode: bool = True, scale_out: bool = True, processed: bool = True,
+                   version: str = "0.32.0"):
+    """vLLM 0.32's answers to what `connect()` asks, as read from its source, short of a server: the three launch
+    settings it needs can each be missing."""
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        route = request.url.path
+        if route == "/health":
+            return httpx.Response(200)
+        if route == "/version":
+            return httpx.Response(200, json={"version": version})
+        if route in ("/resume", "/server_info", "/weight_info") and not dev_mode:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if route == "/resume":
+            return httpx.Response(200, json={"status": "resumed"})
+        if route == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "root": "/models/SmolLM2", "max_model_len": 2048}]})
+        if route == "/inference/v1/generate" and not scale_out:
+            return httpx.Response(403, json={"error": {"message": "Scale-out endpoints are disabled. Restart vllm "
+                                                                  "serve with --enable-scale-out"}})
+        if route == "/inference/v1/generate":
+            import json as jsonlib
+
+            temperature = jsonlib.loads(request.content)["sampling_params"]["temperature"]
+            top = -1.0 / temperature if processed else -1.0
+            return httpx.Response(200, json={"choices": [{"logprobs": {"content": [{"top_logprobs": [
+                {"token_id": 5, "logprob": top}]}]}}]})
+        if route == "/server_info":
+            return httpx.Response(200, json={"vllm_config": "device_config=cpu, enable_chunked_prefill=True, seed=0"})
+        if route == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "default"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    client = VLLMEngine("http://127.0.0.1:9", retries=0)
+    client._client = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(answer))
+    return client
+
+
+@pytest.mark.parametrize("settings, said", [
+    ({"dev_mode": False}, r"no RL routes .* VLLM_SERVER_DEV_MODE=1"),
+    ({"scale_out": False}, r"does not serve /inference/v1/generate: start it with --enable-scale-out"),
+    ({"processed": False}, r"logprobs before the temperature .* --logprobs-mode processed_logprobs"),
+    ({"version": "0.31.2"}, r"is vLLM 0.31.2; relax_gym drives vLLM 0.32 or later"),
+])
+def test_connect_names_the_launch_setting_a_server_lacks(settings, said):
+    async def run() -> None:
+        client = _recorded_vllm(**settings)
+        try:
+            with pytest.raises(RequestError, match=rf"vLLM at http://127.0.0.1:9 .*{said}|{said}"):
+                await client.connect()
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_cpu_server_with_chunked_prefill_gets_no_seeds_and_says_so(caplog):
+    async def run() -> dict:
+        client = _recorded_vllm()
+        try:
+            with caplog.at_level("WARNING", logger="relax_gym.engines"):
+                info = await client.connect()
+            assert not client.seeded and "seed" not in client._params(SamplingParams(seed=3))
+            return info
+        finally:
+            await client.close()
+
+    info = asyncio.run(run())
+    assert info["context_length"] == 2048 and info["weight_version"] == "default"
+    assert any("--no-enable-chunked-prefill" in r.getMessage() for r in caplog.records)
