@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import tempfile
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -186,3 +191,52 @@ def kill_with_parent() -> None:
     import signal
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+@dataclass
+class ServerProcess:
+    """An engine server's subprocess (SGLang's or vLLM's); `stop()` (or leaving a `with`) ends it."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(command: Sequence[str], url: str, name: str, *, timeout_s: float, die_with_parent: bool,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None) -> ServerProcess:
+    """Runs `command` (its log to a temp file) and waits until `url`/health answers 200; an EngineError quoting
+    the log's tail if it exits or stays unhealthy for `timeout_s`. `die_with_parent`: `kill_with_parent`."""
+    with tempfile.NamedTemporaryFile(prefix=f"{name.split()[0].lower()}-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                   preexec_fn=kill_with_parent if die_with_parent else None)
+    server = ServerProcess(process, url, Path(log.name))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise EngineError(f"{name} exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    server.stop()
+    raise EngineError(f"{name} at {url} was not healthy within {timeout_s} s:\n{server.log_tail()}")

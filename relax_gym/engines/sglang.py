@@ -45,14 +45,10 @@ import importlib.util
 import io
 import logging
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -72,8 +68,9 @@ from relax_gym.engines.base import (
 from relax_gym.engines.http_engine import (
     OUTAGE_TIMEOUT_S,
     HTTPEngine,
-    kill_with_parent,
+    ServerProcess,
     span_versions,
+    start_server,
     version_number,
 )
 from relax_gym.engines.weight_group import dtype_name
@@ -410,31 +407,8 @@ class SGLangEngine(HTTPEngine):
         return (await self._get_either("/model_info", "/get_model_info")).json()
 
 
-@dataclass
-class SGLangServer:
-    """A `python -m sglang.launch_server` subprocess; `stop()` (or leaving a `with`) ends it."""
-
-    process: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def __enter__(self) -> SGLangServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+#: a `python -m sglang.launch_server` subprocess
+SGLangServer = ServerProcess
 
 
 def launch_sglang_server(
@@ -451,22 +425,7 @@ def launch_sglang_server(
             f"sglang is not installed in {sys.executable}: install it (pip install 'relax-gym[sglang]') on a "
             "machine it supports, or serve the embedded engine instead (relax-gym serve --model ...)"
         )
-    with tempfile.NamedTemporaryFile(prefix="sglang-", suffix=".log", delete=False) as log:
-        base = list(command) if command is not None else [sys.executable, "-m", "sglang.launch_server"]
-        process = subprocess.Popen(
-            [*base, "--model-path", str(model_path), "--host", host, "--port", str(port), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=kill_with_parent if die_with_parent else None,
-        )
-    server = SGLangServer(process, f"http://{host}:{port}", Path(log.name))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise EngineError(f"sglang.launch_server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    server.stop()
-    raise EngineError(f"sglang at {server.url} was not healthy within {timeout_s} s:\n{server.log_tail()}")
+    base = list(command) if command is not None else [sys.executable, "-m", "sglang.launch_server"]
+    return start_server([*base, "--model-path", str(model_path), "--host", host, "--port", str(port), *extra_args],
+                        f"http://{host}:{port}", "sglang.launch_server", timeout_s=timeout_s,
+                        die_with_parent=die_with_parent)

@@ -33,16 +33,11 @@ import logging
 import os
 import re
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from relax_gym.engines.base import (
     EngineError,
@@ -55,8 +50,9 @@ from relax_gym.engines.base import (
 from relax_gym.engines.http_engine import (
     OUTAGE_TIMEOUT_S,
     HTTPEngine,
-    kill_with_parent,
+    ServerProcess,
     span_versions,
+    start_server,
     version_number,
 )
 from relax_gym.errors import StartupError
@@ -257,31 +253,8 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("RELAX_GYM_VLLM_VENV", Path.home() / ".cache" / "relax_gym" / "vllm"))
 
 
-@dataclass
-class VLLMServer:
-    """A vLLM API server subprocess; `stop()` (or leaving a `with`) ends it."""
-
-    process: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def __enter__(self) -> VLLMServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+#: a vLLM API server subprocess
+VLLMServer = ServerProcess
 
 
 def server_args(model: str | os.PathLike, port: int, host: str = "127.0.0.1", *, max_model_len: int = 2048,
@@ -311,27 +284,11 @@ def launch_vllm_server(
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cpus or f"{allowed[0]}-{allowed[-1]}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("PYTHONPATH", None)  # its venv's packages, not this one's
-    with tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False) as log:
-        process = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server",
-             *server_args(model, port, host, max_model_len=max_model_len, dtype=dtype, api_key=api_key,
-                          extra=extra)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir(),
-            preexec_fn=kill_with_parent if die_with_parent else None,
-        )
-    server = VLLMServer(process, f"http://{host}:{port}", Path(log.name))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise EngineError(f"vLLM's server exited with {process.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    server.stop()
-    raise EngineError(f"vLLM at {server.url} was not healthy within {timeout_s} s:\n{server.log_tail()}")
+    return start_server([python, "-m", "vllm.entrypoints.openai.api_server",
+                         *server_args(model, port, host, max_model_len=max_model_len, dtype=dtype, api_key=api_key,
+                                      extra=extra)],
+                        f"http://{host}:{port}", "vLLM's server", timeout_s=timeout_s,
+                        die_with_parent=die_with_parent, env=env, cwd=tempfile.gettempdir())
 
 
 def model_folder(loaded: Any) -> str:
