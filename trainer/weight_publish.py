@@ -147,4 +147,6 @@ class DistributedPublisher:
         finally:
             for task in tasks[1:]:
                 task.cancel()  # the HTTP calls (this side's thread cannot be cancelled: it ends at the timeout)
+            # ...and waited for, so each has closed its server's weight-update session before this returns
+            await asyncio.gather(*tasks[1:], return_exceptions=True)
             tasks[0].add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is reported above

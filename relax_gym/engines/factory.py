@@ -13,17 +13,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_gym.engines.base import Engine
+from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 
 if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is the one made
     from relax_gym.cpu_threads import ThreadPlacement
     from relax_gym.engines.embedded import Batching
-
-#: with `engine_urls`, how long one server's call waits out its outage, and how often it retries, before the
-#: router marks it down and re-sends the request to another server (the router's own wait, `rollout.
-#: engine_outage_timeout_s`, bounds the outage of all of them)
-MEMBER_OUTAGE_TIMEOUT_S = 2.0
-MEMBER_RETRIES = 1
-
 
 class EngineSettings(Protocol):
     """What `make_engine` reads: the `rollout.engine*` settings."""

@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: with `engine_urls`, how long one server's call waits out its outage, and how often it retries, before the
+#: router marks it down and re-sends the request to another server (the router's own wait, `rollout.
+#: engine_outage_timeout_s`, bounds the outage of all of them)
+MEMBER_OUTAGE_TIMEOUT_S = 2.0
+MEMBER_RETRIES = 1
+
 #: what makes a member down (and the request go to another one); everything else is re-raised
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (EngineUnavailableError, httpx.TransportError, OSError)
 

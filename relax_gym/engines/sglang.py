@@ -214,21 +214,13 @@ class SGLangEngine(HTTPEngine):
 
     @asynccontextmanager
     async def _weight_session(self) -> AsyncIterator[None]:
-        """SGLang 0.5.21+'s weight-update session around one update, closed on every path out of it; nothing
-        for a release without sessions. A session that a killed trainer left open is closed and reopened."""
+        """SGLang 0.5.21+'s weight-update session around one update, closed on every path out of it (a task
+        cancelled while the server was opening it included); nothing for a release without sessions."""
         if not await self._needs_session():
             yield
             return
         try:
-            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
-        except RequestError as err:
-            if "already open" not in str(err):
-                raise
-            logger.warning("server at %s had a weight-update session open (a trainer stopped inside one?): "
-                           "closing it and opening a new one", self.base_url)
-            await self._request("POST", "/end_weight_update", {})
-            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
-        try:
+            await self._open_session()
             yield
         except BaseException:
             try:
@@ -238,6 +230,18 @@ class SGLangEngine(HTTPEngine):
                                "too: %s", self.base_url, err)
             raise
         self._succeeded("/end_weight_update", await self._request("POST", "/end_weight_update", {}))
+
+    async def _open_session(self) -> None:
+        """Opens a weight-update session; one that a killed trainer left open is closed and opened again."""
+        try:
+            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
+        except RequestError as err:
+            if "already open" not in str(err):
+                raise
+            logger.warning("server at %s had a weight-update session open (a trainer stopped inside one?): "
+                           "closing it and opening a new one", self.base_url)
+            await self._request("POST", "/end_weight_update", {})
+            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as

@@ -305,12 +305,10 @@ def vllm_engine(loaded: Any, settings: Any) -> Any:
     """The engine `rollout.engine: vllm` names: a client of `engine_url`, a router over `engine_urls`, or, with
     neither, a client of a server started here on `loaded`'s folder (the model saved to a temporary folder first
     where it has none, e.g. a tiny model), in its dtype, stopped when the client closes."""
-    from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
+    from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES, EngineRouter
 
     folder = loaded.name if os.path.isdir(loaded.name) else None
     if settings.engine_urls:
-        from relax_gym.engines.router import EngineRouter
-
         return EngineRouter({url: VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,
                                              expected_model=folder) for url in settings.engine_urls},
                             wait_s=settings.engine_outage_timeout_s)

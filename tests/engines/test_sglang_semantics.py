@@ -425,6 +425,37 @@ def test_a_failed_update_closes_its_session_and_a_stale_session_is_reopened(fake
     assert httpx.post(f"{url}/end_weight_update", headers=AUTH, json={}).status_code == 400  # none left open
 
 
+def test_an_update_cancelled_while_its_session_opens_closes_it(fake_sglang):
+    """A publisher cancels the other servers' updates when one fails: a client cancelled after SGLang opened its
+    session but before the answer came must still close it, or every later push to that server is refused."""
+    url, _ = fake_sglang
+
+    class SlowToHear(SGLangEngine):
+        opened = asyncio.Event()
+
+        async def _request(self, method, route, payload=None, params=None):  # type: ignore[no-untyped-def]
+            answer = await super()._request(method, route, payload, params)
+            if route == "/begin_weight_update":
+                self.opened.set()
+                await asyncio.sleep(30)  # the answer is slow to arrive: the cancellation lands here
+            return answer
+
+    async def run() -> None:
+        client = SlowToHear(url, api_key=KEY)
+        try:
+            push = asyncio.ensure_future(client.update_weights({"model.norm.weight": torch.ones(64)}, 60))
+            await asyncio.wait_for(client.opened.wait(), 30)
+            push.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await push
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    ended = httpx.post(f"{url}/end_weight_update", headers=AUTH, json={})
+    assert ended.status_code == 400 and ended.json()["message"] == NO_SESSION  # the client closed it
+
+
 @pytest.mark.parametrize("version, session", [("0.5.20", False), ("0.5.21", True), ("0.5.23", True)])
 def test_a_session_goes_only_to_the_releases_that_have_one(version, session):
     sglang = RecordedSGLang(version=version)

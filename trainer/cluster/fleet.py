@@ -22,7 +22,7 @@ import ray
 import torch
 
 from relax_gym.engines.base import Engine, EngineError
-from relax_gym.engines.factory import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
+from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.trainer.cluster.budget import RestartBudget
