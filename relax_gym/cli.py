@@ -261,7 +261,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (argparse then names the flag and exits 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
+    from relax_gym.models.lora import ALL_LINEAR, LoraSpec
     from relax_gym.trainer.sft import check_out, sft, sft_data
 
     check_out(args.out)  # before minutes of loading and reading
@@ -269,8 +278,11 @@ def cmd_sft(args: argparse.Namespace) -> int:
     data = sft_data(args.data, loaded.model.get_input_embeddings().num_embeddings, args.min_reward)
     console.print(f"sft: {len(data.samples)} of {data.read} trajectories kept"
                   + (f" (left out: {data.left_out})" if data.left_out else ""), highlight=False)
+    lora = None if args.lora_rank is None else LoraSpec(
+        rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank,
+        target_modules=args.lora_target or ALL_LINEAR)
     result = sft(loaded, data, args.out, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
-                 micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
+                 micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, lora=lora,
                  say=lambda line: console.print(line, highlight=False))
     console.print(f"wrote {result['out']}: {result['steps']} steps, loss {result['loss_first']:.4f} -> "
                   f"{result['loss_last']:.4f}; train from it with model={result['out']}", highlight=False,
@@ -361,7 +373,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from relax_gym.trainer.export import export_checkpoint
 
-    exported = export_checkpoint(args.run, args.output, step=args.step)
+    exported = export_checkpoint(args.run, args.output, step=args.step, merge=args.merge)
     console.print(f"exported {exported.source} ({len(exported.files)} files, verified against its manifest) to "
                   f"{exported.destination}", highlight=False, soft_wrap=True)
     return 0
@@ -530,6 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="trajectories per optimizer step")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-rank", type=_positive, default=None, metavar="R",
+                   help="train a LoRA adapter of rank R (--out is then a PEFT adapter folder); default: all weights")
+    p.add_argument("--lora-alpha", type=float, default=None, help="the adapter's scale (default: 2 x rank)")
+    p.add_argument("--lora-target", nargs="+", default=None, metavar="NAME",
+                   help="the layers adapted, by leaf name (default: every linear layer but the output head)")
     _template_flags(p)
     p.set_defaults(func=cmd_sft)
 
@@ -553,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="copy a checkpoint's Hugging Face model files (no training state) to a folder")
     p.add_argument("run", help="a run folder (or its checkpoints folder, its `latest` pointer, a step folder)")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run's checkpoint: write the plain model its adapter "
+                   "and base make, not the adapter folder")
     p.add_argument("-o", "--output", required=True, help="a new or empty folder")
     p.set_defaults(func=cmd_export)
 

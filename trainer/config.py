@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from relax_gym.cpu_threads import ThreadPlacement, check_cores
 from relax_gym.errors import StartupError
+from relax_gym.models.lora import ALL_LINEAR, LoraSpec
 from relax_gym.rollout.config import RolloutConfig, StrictSection
 from relax_gym.trainer.algorithms import AlgorithmConfig
 from relax_gym.trainer.cluster.config import ClusterSection
@@ -117,6 +118,23 @@ class MegatronSection(StrictSection):
     )
 
 
+class LoraSection(StrictSection):
+    """`trainer.lora`: train a LoRA adapter (peft) instead of every weight (backend: torch)."""
+
+    rank: int = Field(16, ge=1, description="the adapter's rank r: each adapted layer learns B @ A of this inner "
+                      "size")
+    alpha: float | None = Field(None, gt=0, description="the adapter's scale: its update is B @ A x alpha / rank; "
+                                "absent, 2 x rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapted layer's input while training")
+    target_modules: str | list[str] = Field(
+        ALL_LINEAR, description="the layers adapted, by leaf name (e.g. [q_proj, v_proj]), or \"all-linear\": "
+        "every linear layer but the output head")
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(rank=self.rank, alpha=self.alpha or 2.0 * self.rank, dropout=self.dropout,
+                        target_modules=self.target_modules)
+
+
 class TrainerSection(StrictSection):
     backend: Literal["torch", "megatron"] = Field(
         "torch",
@@ -169,6 +187,9 @@ class TrainerSection(StrictSection):
                               "sharing one GIL with it, which an async run of a small model needs to overlap")
     megatron: MegatronSection = Field(default_factory=MegatronSection, description="the Megatron backend's "
                                       "parallelism and dtype (backend: megatron)")
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter and freeze the base (backend: "
+                                     "torch): checkpoints are PEFT adapter folders, engines get the merged layers; "
+                                     "absent, every weight trains")
 
 
 class TrainConfig(StrictSection):
@@ -211,6 +232,9 @@ class TrainConfig(StrictSection):
                              "process of its own (a Ray actor); drop trainer.own_process")
         if self.algorithm.name == "distill" and not self.algorithm.teacher:
             raise ValueError("algorithm.name=distill needs algorithm.teacher")
+        if self.trainer.lora is not None and self.trainer.backend != "torch":
+            raise ValueError(f"trainer.lora needs trainer.backend=torch: the {self.trainer.backend} backend trains "
+                             "full weights only")
         if self.cluster is not None and self.cluster.trainer.world_size > 1 and self.trainer.backend != "megatron":
             raise ValueError(f"cluster.trainer.world_size={self.cluster.trainer.world_size} needs "
                              "trainer.backend=megatron: the torch backend trains in one process")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_gym.errors import StartupError
-from relax_gym.models.loading import resolve_checkpoint
+from relax_gym.models.loading import ModelLoadError, load_model, resolve_checkpoint, save_model
+from relax_gym.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from relax_gym.trainer.checkpoint import MANIFEST, CheckpointManager, read_manifest
 
 #: suffixes of a step folder's training state, which a model folder leaves out (both backends write only .pt)
@@ -55,9 +56,12 @@ def step_folder(run: Path, step: int | None) -> Path:
     return folder
 
 
-def export_checkpoint(run: str | Path, destination: str | Path, step: int | None = None) -> Exported:
+def export_checkpoint(run: str | Path, destination: str | Path, step: int | None = None, *,
+                      merge: bool = False) -> Exported:
     """Copies a checkpoint's model files (no training state, no manifest) to `destination`, verified.
 
+    A LoRA run's checkpoint is a PEFT adapter folder, exported as such; `merge` writes instead the plain model
+    its adapter and base make (`load_model` merges them), from the verified adapter files.
     `destination` must be new or empty: an export never mixes with, or
     replaces, files already there.
     """
@@ -73,7 +77,11 @@ def export_checkpoint(run: str | Path, destination: str | Path, step: int | None
         raise ExportError(f"{source}: no readable {MANIFEST} ({type(err).__name__}), so its files cannot be "
                           "verified; is it a relax-gym checkpoint?") from None
     files = model_files(manifest)
-    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+    adapter = ADAPTER_CONFIG in files and ADAPTER_WEIGHTS in files
+    if merge and not adapter:
+        raise ExportError(f"--merge: {source} holds full weights (its run had no trainer.lora), so there is no "
+                          "adapter to merge: export it without --merge")
+    if not adapter and ("config.json" not in files or not any(f.endswith(".safetensors") for f in files)):
         raise ExportError(f"{source} holds no Hugging Face model (config.json and *.safetensors): it was written "
                           "before checkpoints were model folders; a run resumed from it writes them from its next "
                           "checkpoint on")
@@ -83,6 +91,8 @@ def export_checkpoint(run: str | Path, destination: str | Path, step: int | None
         shutil.rmtree(partial, ignore_errors=True)
         for name in files:
             _copy_verified(source / name, partial / name, manifest[name])
+        if merge:
+            files = _merged_into(partial, partial.with_name(partial.name + "-merged"))
         partial.replace(destination)  # an empty destination folder is replaced as a whole
     except OSError as err:
         where = f" ({err.filename})" if err.filename else ""
@@ -90,6 +100,19 @@ def export_checkpoint(run: str | Path, destination: str | Path, step: int | None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return Exported(source, destination, files)
+
+
+def _merged_into(adapter: Path, scratch: Path) -> list[str]:
+    """Replaces the verified adapter folder `adapter` by the model it and its base make; returns its files."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        save_model(load_model(str(adapter)), scratch)
+    except ModelLoadError as err:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise ExportError(f"--merge: {err}") from None
+    shutil.rmtree(adapter)
+    scratch.replace(adapter)
+    return sorted(str(p.relative_to(adapter)) for p in adapter.rglob("*") if p.is_file())
 
 
 def _copy_verified(src: Path, dst: Path, want: dict[str, object]) -> None:

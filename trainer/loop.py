@@ -634,7 +634,8 @@ class Trainer:
             try:
                 if self.cfg.rollout.engine in ("sglang", "vllm") and not self.cfg.rollout.weights_as_tensors():
                     folder = self.run_dir / "weights" / f"v{self.step}"
-                    self.loaded.model.load_state_dict(weights)
+                    # an adapter's push names its merged layers only: the rest of the folder is the base's
+                    self.loaded.model.load_state_dict(weights, strict=self.cfg.trainer.lora is None)
                     self.loaded.model.save_pretrained(folder)
                     await self.engine.update_weights(str(folder), self.step)
                     _prune_weight_folders(folder)

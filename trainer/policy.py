@@ -33,4 +33,5 @@ def make_backend(cfg: TrainConfig, loaded: LoadedModel) -> TrainBackend:
     return TorchBackend(copy.deepcopy(loaded), lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                         micro_batch_tokens=t.micro_batch_tokens, seed=cfg.seed,
                         gradient_checkpointing=t.gradient_checkpointing,
-                        replay_routes=cfg.algorithm.routing_replay)
+                        replay_routes=cfg.algorithm.routing_replay,
+                        lora=t.lora.spec() if t.lora is not None else None)

@@ -21,6 +21,7 @@ from typing import Any
 
 from relax_gym.errors import StartupError, first_line
 from relax_gym.models import LoadedModel, save_model
+from relax_gym.models.lora import LoraSpec, save_adapter
 from relax_gym.trainer.algorithms import sft_loss_fn
 from relax_gym.trainer.batch import Sample
 from relax_gym.trajectory import Trajectory, read_jsonl
@@ -91,14 +92,15 @@ def check_out(out: str | Path) -> Path:
 
 
 def sft(loaded: LoadedModel, data: SftData, out: str | Path, *, epochs: int = 2, lr: float = 1e-5,
-        batch_size: int = 16, micro_batch_tokens: int = 8192, seed: int = 0,
+        batch_size: int = 16, micro_batch_tokens: int = 8192, seed: int = 0, lora: LoraSpec | None = None,
         say: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains `loaded` on `data` for `epochs` (batches of `batch_size` samples, shuffled per epoch by `seed`),
-    then saves it to `out` (a model folder, with one metrics row per step in `sft_metrics.jsonl`)."""
+    then saves it to `out` (a model folder, with one metrics row per step in `sft_metrics.jsonl`). With `lora`,
+    only an adapter trains and `out` is a PEFT adapter folder (`load_model` merges it into its base)."""
     from relax_gym.trainer.backends.torch_backend import TorchBackend
 
     out = check_out(out)
-    backend = TorchBackend(loaded, lr=lr, micro_batch_tokens=micro_batch_tokens, seed=seed)
+    backend = TorchBackend(loaded, lr=lr, micro_batch_tokens=micro_batch_tokens, seed=seed, lora=lora)
     loss_fn = sft_loss_fn()
     rows: list[dict[str, Any]] = []
     steps = epochs * -(-len(data.samples) // batch_size)
@@ -112,7 +114,10 @@ def sft(loaded: LoadedModel, data: SftData, out: str | Path, *, epochs: int = 2,
                          **{k: float(v) for k, v in metrics.items()}})
             say(f"sft step {len(rows)}/{steps} (epoch {epoch + 1}): loss {rows[-1]['loss']:.4f}")
     out.mkdir(parents=True, exist_ok=True)
-    save_model(loaded, out)
+    if backend.adapter is not None:
+        save_adapter(backend.adapter, loaded.processor or loaded.tokenizer, out)
+    else:
+        save_model(loaded, out)
     with (out / METRICS_FILE).open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return {"out": str(out), "steps": len(rows), "samples": len(data.samples), "read": data.read,

@@ -37,6 +37,7 @@ from relax_gym.errors import StartupError, first_line
 from relax_gym.models.chat_template import BUNDLED_TEMPLATES
 from relax_gym.models.gguf_checkpoint import GGUFError, gguf_file, load_gguf
 from relax_gym.models.hub import HubModelError, hub_snapshot, parse_hub_id
+from relax_gym.models.lora import LoraError, adapter_base, is_adapter_folder, merged_adapter
 from relax_gym.models.tiny import (
     build_tiny_audio,
     build_tiny_moe,
@@ -131,7 +132,8 @@ def _not_found(name_or_path: str, why: str) -> ModelLoadError:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    """A model folder: a transformers one (config.json) or a PEFT adapter folder (loaded merged into its base)."""
+    return (path / "config.json").is_file() or is_adapter_folder(path)
 
 
 def resolve_checkpoint(name_or_path: str) -> str:
@@ -237,6 +239,8 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
         raise _not_found(name_or_path, f"no folder at {path}")
     if not _is_checkpoint(path):
         raise _not_found(name_or_path, f"the folder {path} has no config.json")
+    if is_adapter_folder(path):
+        return _load_adapter(path, dtype, device)
     try:
         with quiet_progress():
             return _load_folder(path, dtype, device)
@@ -244,6 +248,28 @@ def _load(name_or_path: str, dtype: torch.dtype | None, device: str | torch.devi
         # transformers reports a bad folder in many types (empty config: ValueError, no weights: OSError,
         # a truncated safetensors file: SafetensorError, a RuntimeError); the user needs one line
         raise ModelLoadError(f"model folder {path}: cannot load it: {type(err).__name__}: {first_line(err)}") from err
+
+
+def _load_adapter(path: Path, dtype: torch.dtype | None, device: str | torch.device) -> LoadedModel:
+    """A PEFT adapter folder as a plain model: the base it names, loaded, with the adapter merged into it, and the
+    folder's own tokenizer (its chat template) where it has one."""
+    try:
+        base_name = adapter_base(path)
+        base = _load(base_name, dtype, device)
+        model = merged_adapter(base.model, path)
+    except (LoraError, OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"adapter folder {path}: {first_line(err)}") from None
+    except ModelLoadError as err:
+        raise ModelLoadError(f"adapter folder {path}: its base {base_name!r} cannot be loaded: {err}") from None
+    tokenizer, processor = base.tokenizer, base.processor
+    if any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        with quiet_progress():
+            if processor is not None:
+                processor = type(processor).from_pretrained(path, local_files_only=True)
+                tokenizer = processor.tokenizer
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(model, tokenizer, processor, base.modalities, str(path))
 
 
 def _hub_folder(name: str, path: Path) -> Path:

@@ -295,7 +295,7 @@ def test_a_vllm_that_dies_mid_request_is_failed_over_by_the_router(vllm_server, 
 
     proxy = Proxy(int(vllm_server.rsplit(":", 1)[1]))
     request = make_request(smol, [M.user("Write a long story about an owl.")],
-                           SamplingParams(temperature=0, max_new_tokens=300))
+                           SamplingParams(temperature=0, max_new_tokens=96))  # ~5 s: the proxy dies at 1
     request.rid = "owls/0/0"
 
     async def run():
@@ -305,7 +305,7 @@ def test_a_vllm_that_dies_mid_request_is_failed_over_by_the_router(vllm_server, 
         try:
             await router.connect()
             running = asyncio.create_task(router.generate(request))
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(1.0)
             proxy.kill()
             out = await running
             return out, router.failovers, await members["b-direct"].generate(request)

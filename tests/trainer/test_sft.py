@@ -93,3 +93,18 @@ def test_scripted_demonstrations_of_the_tool_env_solve_every_task(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     demos = list(read_jsonl(out))
     assert len(demos) == 8 and all(t.reward == 1.0 and t.metrics["tool_calls"] >= 2 for t in demos)
+
+
+def test_a_lora_rank_writes_a_peft_adapter_folder_that_loads_merged_into_its_base(rollouts, tmp_path, capsys):
+    out = tmp_path / "adapter"
+    assert main(["sft", str(rollouts), "--model", str(WARM_START), "--out", str(out), "--min-reward", "1",
+                 "--epochs", "1", "--lr", "1e-3", "--lora-rank", "4"]) == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    tuned, base = load_model(str(out)), load_model(str(WARM_START))
+    assert type(tuned.model) is type(base.model) and tuned.tokenizer.chat_template == base.tokenizer.chat_template
+    changed = [k for k, v in tuned.model.state_dict().items() if not torch.equal(v, base.model.state_dict()[k])]
+    assert changed and all(k.endswith("_proj.weight") for k in changed)  # the adapted layers, merged
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:  # argparse's own exit: one line naming the flag
+        main(["sft", str(rollouts), "--model", str(WARM_START), "--out", str(tmp_path / "zero"), "--lora-rank", "0"])
+    assert stopped.value.code == 2 and "--lora-rank: must be at least 1, got 0" in capsys.readouterr().err

@@ -31,6 +31,15 @@ from transformers import set_seed
 from relax_gym.engines.continuous import supports_continuous_batching
 from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inputs
 from relax_gym.models.loading import save_model
+from relax_gym.models.lora import (
+    ADAPTER_CONFIG,
+    LoraError,
+    LoraSpec,
+    add_adapter,
+    load_adapter_weights,
+    merged_weights,
+    save_adapter,
+)
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
 from relax_gym.native_heap import release_free_memory
 from relax_gym.onednn_linear import use_onednn_linears
@@ -222,6 +231,8 @@ class TorchBackend:
     `replay_routes` (an MoE model): every forward's routers take its samples' `routed_experts` (R3).
     `share_prefixes`: a training forward runs a prefix its samples share (a group's prompt) once, where the model
     allows it (`prefix_forward`); False keeps the plain forward, to compare.
+    `lora`: train a LoRA adapter (`relax_gym.models.lora`) and freeze the rest; `hf_state_dict` is then the
+    adapted layers' merged weights only, and a checkpoint is a PEFT adapter folder.
     """
 
     def __init__(
@@ -240,6 +251,7 @@ class TorchBackend:
         gradient_checkpointing: bool = False,
         replay_routes: bool = False,
         share_prefixes: bool = True,
+        lora: LoraSpec | None = None,
     ) -> None:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
@@ -258,6 +270,8 @@ class TorchBackend:
             use_onednn_linears(self.model)  # float32 products at oneDNN's rate, not MKL's (`onednn_linear`)
         if gradient_checkpointing:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
+        #: the PeftModel around `model` (whose layers it adapted in place) with `lora`, else None
+        self.adapter = add_adapter(self.model, lora, loaded.name) if lora is not None else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=lr,
@@ -453,8 +467,11 @@ class TorchBackend:
         """CPU copies of the weights under the HF names of the model class the engine also runs.
 
         Tensors shared in the model (tied embeddings) stay shared in the copy, so
-        they are copied once and keep their tie after `load_state_dict`.
+        they are copied once and keep their tie after `load_state_dict`. With an
+        adapter: the adapted layers' merged weights only (the rest is the base's).
         """
+        if self.adapter is not None:
+            return merged_weights(self.model)
         copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():
@@ -473,6 +490,9 @@ class TorchBackend:
         The weights are stored once: `load_checkpoint` maps saved names back to
         in-memory ones (see `relax_gym.trainer.backends.hf_folder`).
 
+        With an adapter, `path/` is a PEFT adapter folder instead (`adapter_config.json`,
+        `adapter_model.safetensors`, the tokenizer): peft, vLLM and SGLang load it on the base.
+
         The two .pt files hold only tensors and plain data, so that loading them
         cannot run code (`relax_gym.trainer.safe_load`); `extra` must be plain
         data too (None, bools, numbers, strings, lists / tuples / dicts of them,
@@ -480,7 +500,10 @@ class TorchBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_model(self.loaded, path)
+        if self.adapter is not None:  # a PEFT adapter folder, with the tokenizer and its chat template
+            save_adapter(self.adapter, self.loaded.processor or self.loaded.tokenizer, path)
+        else:
+            save_model(self.loaded, path)
         safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
         safe_save({"version": self.version, "extra": extra, "rng": rng_states()}, path / _STATE_FILE)
 
@@ -496,7 +519,14 @@ class TorchBackend:
         path = Path(path)
         optimizer_state = safe_load(path / _OPTIMIZER_FILE, map_location=self.device)
         state = safe_load(path / _STATE_FILE)
-        if (path / "config.json").is_file():
+        adapter = (path / ADAPTER_CONFIG).is_file()
+        if adapter != (self.adapter is not None):
+            raise LoraError(f"checkpoint {path} holds {'a LoRA adapter' if adapter else 'full weights'}, but this "
+                            f"run {'trains full weights' if adapter else 'has trainer.lora'}: resume it with the "
+                            "trainer.lora it was trained with, or start a new run_dir")
+        if self.adapter is not None:
+            load_adapter_weights(self.adapter, path)
+        elif (path / "config.json").is_file():
             load_hf_weights(self.model, path)
         else:
             safetensors.torch.load_model(self.model, str(path / _LEGACY_MODEL_FILE), device=str(self.device))
