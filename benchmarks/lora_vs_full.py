@@ -43,7 +43,7 @@ def pushed_bytes(model: str, rank: int | None) -> int:
     loaded = load_model(model)
     if rank is None:
         return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
-    add_adapter(loaded.model, LoraSpec(rank=rank, alpha=2.0 * rank), model)
+    add_adapter(loaded.model, LoraSpec(rank=rank, alpha=2 * rank), model)
     return sum(t.numel() * t.element_size() for t in merged_weights(loaded.model).values())
 
 

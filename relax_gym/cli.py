@@ -279,7 +279,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     console.print(f"sft: {len(data.samples)} of {data.read} trajectories kept"
                   + (f" (left out: {data.left_out})" if data.left_out else ""), highlight=False)
     lora = None if args.lora_rank is None else LoraSpec(
-        rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank,
+        rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
         target_modules=args.lora_target or ALL_LINEAR)
     result = sft(loaded, data, args.out, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
                  micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, lora=lora,
@@ -544,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora-rank", type=_positive, default=None, metavar="R",
                    help="train a LoRA adapter of rank R (--out is then a PEFT adapter folder); default: all weights")
-    p.add_argument("--lora-alpha", type=float, default=None, help="the adapter's scale (default: 2 x rank)")
+    p.add_argument("--lora-alpha", type=_positive, default=None, help="the adapter's scale (default: 2 x rank)")
     p.add_argument("--lora-target", nargs="+", default=None, metavar="NAME",
                    help="the layers adapted, by leaf name (default: every linear layer but the output head)")
     _template_flags(p)

@@ -68,6 +68,7 @@ def vllm_server(smollm2: Path) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = launch_vllm_server(smollm2, port, max_model_len=2048, timeout_s=900)
+    # it loads LoRA adapters too (rank <= 16, two at once), as a LoRA run's server does
+    server = launch_vllm_server(smollm2, port, max_model_len=2048, timeout_s=900, lora=(16, 2))
     yield server.url
     server.stop()

@@ -123,7 +123,7 @@ class LoraSection(StrictSection):
 
     rank: int = Field(16, ge=1, description="the adapter's rank r: each adapted layer learns B @ A of this inner "
                       "size")
-    alpha: float | None = Field(None, gt=0, description="the adapter's scale: its update is B @ A x alpha / rank; "
+    alpha: int | None = Field(None, gt=0, description="the adapter's scale: its update is B @ A x alpha / rank; "
                                 "absent, 2 x rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapted layer's input while training")
     target_modules: str | list[str] = Field(
@@ -131,7 +131,7 @@ class LoraSection(StrictSection):
         "every linear layer but the output head")
 
     def spec(self) -> LoraSpec:
-        return LoraSpec(rank=self.rank, alpha=self.alpha or 2.0 * self.rank, dropout=self.dropout,
+        return LoraSpec(rank=self.rank, alpha=self.alpha or 2 * self.rank, dropout=self.dropout,
                         target_modules=self.target_modules)
 
 

@@ -39,6 +39,7 @@ from relax_gym.engines.factory import make_engine
 from relax_gym.env.registration import resolve_env_id
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import load_model
+from relax_gym.models.lora import write_adapter
 from relax_gym.models.moe_routing import experts_per_token
 from relax_gym.rollout import RolloutManager, settle_heap
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
@@ -205,7 +206,8 @@ class Trainer:
         """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
         makes them Ray actors instead)."""
         cfg, r = self.cfg, self.cfg.rollout
-        self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement())
+        lora = (cfg.trainer.lora.rank, cfg.trainer.max_staleness + 1) if cfg.trainer.lora is not None else None
+        self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement(), lora=lora)
         self.backend: TrainBackend
         if cfg.trainer.own_process:
             from relax_gym.trainer.backends.process import ProcessBackend
@@ -559,9 +561,15 @@ class Trainer:
                    "weight_sync_s": time.perf_counter() - t2}
         return metrics, timings, self.backend.version, weights
 
+    @property
+    def _pushes_adapters(self) -> bool:
+        """Whether weight pushes are LoRA adapter folders, loaded by name (vLLM), not the merged layers."""
+        return self.cfg.trainer.lora is not None and self.cfg.rollout.engine == "vllm"
+
     def _snapshot(self) -> Any:
-        """The weights `_push_weights` sends, read on the trainer's thread right after the update."""
-        return self.backend.hf_state_dict()
+        """The weights `_push_weights` sends, read on the trainer's thread right after the update: the adapter
+        where the engine loads adapters, else the weights (with LoRA: the merged adapted layers)."""
+        return self.backend.adapter_state_dict() if self._pushes_adapters else self.backend.hf_state_dict()
 
     async def _conclude(self, trained: TrainedStep) -> None:
         """The run moves to a trained step: its weights go to the engine, it is logged, checkpointed, evaluated."""
@@ -632,7 +640,13 @@ class Trainer:
         try:
             await self.engine.pause()
             try:
-                if self.cfg.rollout.engine in ("sglang", "vllm") and not self.cfg.rollout.weights_as_tensors():
+                if self._pushes_adapters and (lora := self.cfg.trainer.lora) is not None:
+                    # the adapter alone, as a PEFT folder the server loads by name
+                    folder = write_adapter(self.run_dir / "weights" / f"v{self.step}", weights, lora.spec(),
+                                           self.loaded.model, self.loaded.name)
+                    await self.engine.update_weights(str(folder), self.step)
+                    _prune_weight_folders(folder)
+                elif self.cfg.rollout.engine in ("sglang", "vllm") and not self.cfg.rollout.weights_as_tensors():
                     folder = self.run_dir / "weights" / f"v{self.step}"
                     # an adapter's push names its merged layers only: the rest of the folder is the base's
                     self.loaded.model.load_state_dict(weights, strict=self.cfg.trainer.lora is None)

@@ -51,16 +51,17 @@ class EngineSettings(Protocol):
 
 
 def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
-                placement: ThreadPlacement | None = None) -> Engine:
+                placement: ThreadPlacement | None = None, lora: tuple[int, int] | None = None) -> Engine:
     """The engine `settings.engine` names: a vLLM client (`vllm.vllm_engine`: of `engine_url(s)`, or of a server it
     starts on `loaded`), an SGLang client (an unlimited connection pool: the run's concurrency
     is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
-    engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`)."""
+    engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`).
+    `lora` (rank, adapters kept): a run that pushes LoRA adapters; a vLLM server takes them by name."""
     if settings.engine == "vllm":
         from relax_gym.engines.vllm import vllm_engine
 
-        return vllm_engine(loaded, settings)
+        return vllm_engine(loaded, settings, lora=lora)
     if settings.engine == "sglang" and settings.engine_urls:
         from relax_gym.engines.router import EngineRouter
         from relax_gym.engines.sglang import SGLangEngine

@@ -13,6 +13,12 @@ What maps to what:
 - `pause()` is `/pause?mode=keep`: running requests stay where they are and go on after `/resume` (vLLM
   recomputes their cache with the new weights), so an answer spans the update and each token keeps its own
   version, with no request sent twice;
+- a LoRA adapter folder (`adapter_config.json`: what a LoRA run pushes) is loaded by name instead
+  (`/v1/load_lora_adapter`, the server started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
+  `relax-gym-v{version}`, which every later request names as its `model`. A request keeps the adapter it started
+  with, so all its tokens have that adapter's version; the newest `keep_adapters` stay loaded (a run keeps
+  `max_staleness + 1`, so a request of the oldest version it may still train on finishes on its own adapter), and
+  older ones are unloaded;
 - `abort(rid)` is `/inference/v1/abort_requests` (vLLM prefixes a request id with "generate-tokens-"): the
   answer comes back with the tokens so far and finish_reason "abort";
 - stop ids, seeds and the sampling params are vLLM's own fields; a prompt and budget past the model's context are
@@ -67,6 +73,12 @@ RID_PREFIX = "generate-tokens-"
 LAUNCH_HINT = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model M --enable-scale-out "
                "--logprobs-mode processed_logprobs --no-enable-chunked-prefill --max-num-batched-tokens N "
                "(N >= --max-model-len), or let the run start it (rollout.engine: vllm without engine_url)")
+#: the ranks vLLM 0.32's `--max-lora-rank` takes (`vllm.config.lora.MaxLoRARanks`)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the name a pushed adapter of version v is loaded under
+ADAPTER_NAME = "relax-gym-v{version}"
+LORA_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora --max-lora-rank R (R >= "
+             "trainer.lora.rank), --max-loras K (K >= trainer.max_staleness + 1), or let the run start it")
 #: the command that installs vLLM where relax_gym looks for it (its own venv: it pins its own torch)
 INSTALL_HINT = "bash scripts/setup_vllm_venv.sh"
 
@@ -92,8 +104,10 @@ class VLLMEngine(HTTPEngine):
         max_connections: int | None = None,
         api_key: str | None = None,
         expected_model: str | None = None,
+        keep_adapters: int = 2,
     ) -> None:
-        """`expected_model` (the run's model folder) is checked against what the server serves at `connect()`."""
+        """`expected_model` (the run's model folder) is checked against what the server serves at `connect()`;
+        `keep_adapters`: how many pushed LoRA adapters stay loaded (the newest)."""
         super().__init__(base_url, timeout_s=timeout_s, outage_timeout_s=outage_timeout_s, backoff_s=backoff_s,
                          max_backoff_s=max_backoff_s, retries=retries, max_connections=max_connections,
                          api_key=api_key, expected_model=expected_model)
@@ -103,6 +117,9 @@ class VLLMEngine(HTTPEngine):
         self.context_length: int | None = None
         #: whether requests carry their seeds (False on a server whose engine dies of them: see the module doc)
         self.seeded = True
+        self.keep_adapters = max(1, keep_adapters)
+        #: the loaded adapters, oldest first, as (name, version); requests name the last one
+        self.adapters: list[tuple[str, int]] = []
 
     async def connect(self) -> dict[str, Any]:
         """Waits for the server, resumes it (a killed trainer may have left it paused), and checks it is a vLLM
@@ -184,6 +201,9 @@ class VLLMEngine(HTTPEngine):
             request.sampling)}
         if request.rid is not None:
             payload["request_id"] = request.rid
+        if self.adapters:  # the request runs on the newest adapter to its end, whatever is pushed meanwhile
+            name, adapter_version = self.adapters[-1]
+            payload["model"] = name
         before = self._version  # what a span's "default" (vLLM's version before any update) stands for
         body = (await self._request("POST", "/inference/v1/generate", payload)).json()
         choice = body["choices"][0]
@@ -194,11 +214,15 @@ class VLLMEngine(HTTPEngine):
         reason = choice.get("finish_reason")
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"server at {self.base_url}: unexpected finish_reason {reason!r}")
+        logprobs = [float(c["logprob"]) for c in content]
+        if self.adapters and "model" in payload:
+            return GenerateOutput(ids, logprobs, reason, adapter_version, len(request.input_ids),
+                                  [adapter_version] * len(ids))
         spans = choice.get("weight_versions") or []
         if spans:
             self._version = version_number(spans[-1].get("version"), self._version)
-        return GenerateOutput(ids, [float(c["logprob"]) for c in content], reason, self._version,
-                              len(request.input_ids), span_versions(spans, len(ids), before))
+        return GenerateOutput(ids, logprobs, reason, self._version, len(request.input_ids),
+                              span_versions(spans, len(ids), before))
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """A folder: every worker reloads its weights from it, then the server takes `version`."""
@@ -207,11 +231,30 @@ class VLLMEngine(HTTPEngine):
                                "send a folder (rollout.weight_sync: disk)")
         if not isinstance(weights, (str, os.PathLike)):
             raise RequestError(f"update_weights: expected a folder path, got {type(weights)}")
+        if (Path(weights) / "adapter_config.json").is_file():
+            await self._load_adapter(Path(weights), version)
+            return
         await self._request("POST", "/collective_rpc", {"method": "reload_weights",
                                                         "kwargs": {"weights_path": str(weights)},
                                                         "timeout": self.timeout_s})
         await self._request("POST", "/update_weight_version", {"new_version": str(version)})
         self._version = version
+
+    async def _load_adapter(self, folder: Path, version: int) -> None:
+        """Loads the PEFT adapter folder as `relax-gym-v{version}` for every later request, then unloads the
+        adapters older than the newest `keep_adapters`."""
+        name = ADAPTER_NAME.format(version=version)
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except RequestError as err:
+            if err.status == 404:
+                raise RequestError(f"vLLM at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
+            raise
+        self.adapters = [(n, v) for n, v in self.adapters if n != name] + [(name, version)]
+        self._version = version
+        while len(self.adapters) > self.keep_adapters:
+            old, _ = self.adapters.pop(0)
+            await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})
 
     async def pause(self) -> None:
         """vLLM's keep mode: nothing is scheduled until `resume`; running requests wait where they are."""
@@ -270,19 +313,32 @@ def server_args(model: str | os.PathLike, port: int, host: str = "127.0.0.1", *,
     return [*args, *extra]
 
 
+def lora_args(rank: int, adapters: int) -> list[str]:
+    """The flags that let a server load adapters of `rank` at runtime, `adapters` at once."""
+    max_rank = next((r for r in LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise RequestError(f"trainer.lora.rank={rank}: vLLM 0.32 serves adapters of rank {LORA_RANKS[-1]} at most")
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", str(adapters),
+            "--max-cpu-loras", str(adapters)]
+
+
 def launch_vllm_server(
     model: str | os.PathLike, port: int, *, host: str = "127.0.0.1", max_model_len: int = 2048,
     dtype: str = "float32", api_key: str | None = None, extra: Sequence[str] = (), kv_cache_gib: int = 2,
     cpus: str | None = None, timeout_s: float = 600.0, die_with_parent: bool = False,
+    lora: tuple[int, int] | None = None,
 ) -> VLLMServer:
     """Starts vLLM's API server on `model` (a local folder) and waits until /health answers 200; its log goes to
     a temp file. On a CPU it computes on `cpus` (default: every CPU this process may use; vLLM would otherwise
     keep one core to itself) with a KV cache of `kv_cache_gib`. `die_with_parent` has the kernel end it when
-    the thread that started it ends (Linux)."""
+    the thread that started it ends (Linux). `lora` (rank, adapters): it also loads LoRA adapters at runtime."""
     python = vllm_python()
     allowed = sorted(os.sched_getaffinity(0))
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cpus or f"{allowed[0]}-{allowed[-1]}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if lora is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        extra = [*lora_args(*lora), *extra]
     env.pop("PYTHONPATH", None)  # its venv's packages, not this one's
     return start_server([python, "-m", "vllm.entrypoints.openai.api_server",
                          *server_args(model, port, host, max_model_len=max_model_len, dtype=dtype, api_key=api_key,
@@ -301,20 +357,22 @@ def model_folder(loaded: Any) -> str:
     return str(save_model(loaded, tempfile.mkdtemp(prefix="relax-gym-vllm-model-")))
 
 
-def vllm_engine(loaded: Any, settings: Any) -> Any:
+def vllm_engine(loaded: Any, settings: Any, lora: tuple[int, int] | None = None) -> Any:
     """The engine `rollout.engine: vllm` names: a client of `engine_url`, a router over `engine_urls`, or, with
     neither, a client of a server started here on `loaded`'s folder (the model saved to a temporary folder first
-    where it has none, e.g. a tiny model), in its dtype, stopped when the client closes."""
+    where it has none, e.g. a tiny model), in its dtype, stopped when the client closes. `lora` (rank, adapters
+    kept): the clients keep that many pushed adapters loaded, and a server started here loads adapters."""
+    keep = lora[1] if lora is not None else 2
     from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES, EngineRouter
 
     folder = loaded.name if os.path.isdir(loaded.name) else None
     if settings.engine_urls:
         return EngineRouter({url: VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,
-                                             expected_model=folder) for url in settings.engine_urls},
-                            wait_s=settings.engine_outage_timeout_s)
+                                             expected_model=folder, keep_adapters=keep)
+                             for url in settings.engine_urls}, wait_s=settings.engine_outage_timeout_s)
     if settings.engine_url:
         return VLLMEngine(settings.engine_url, outage_timeout_s=settings.engine_outage_timeout_s,
-                          expected_model=folder)
+                          expected_model=folder, keep_adapters=keep)
     folder = model_folder(loaded)
     dtype = settings.engine_dtype if settings.engine_dtype != "auto" else \
         str(loaded.model.dtype).removeprefix("torch.")
@@ -325,10 +383,11 @@ def vllm_engine(loaded: Any, settings: Any) -> Any:
     context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None) or 4096
     logger.info("starting vLLM on %s (port %d; about a minute on a CPU)", folder, port)
     try:  # the context an episode may use, not the model's whole one: vLLM sizes its step budget by it
-        server = launch_vllm_server(folder, port, dtype=dtype,
+        server = launch_vllm_server(folder, port, dtype=dtype, lora=lora,
                                     max_model_len=min(int(context), settings.max_total_tokens), die_with_parent=True)
     except EngineError as err:  # not installed, or it would not start: nothing of the run has started
         raise StartupError(f"rollout.engine=vllm: {err}") from None
-    engine = VLLMEngine(server.url, outage_timeout_s=settings.engine_outage_timeout_s, expected_model=folder)
+    engine = VLLMEngine(server.url, outage_timeout_s=settings.engine_outage_timeout_s, expected_model=folder,
+                        keep_adapters=keep)
     engine.server = server
     return engine

@@ -53,14 +53,15 @@ class LoraSpec:
     adapter's input while training, and the layers it adapts (leaf names such as "q_proj", or "all-linear")."""
 
     rank: int = 16
-    alpha: float = 32.0
+    alpha: int = 32
     dropout: float = 0.0
     target_modules: str | Sequence[str] = ALL_LINEAR
 
 
 def linear_names(model: nn.Module) -> list[str]:
     """The leaf names of `model`'s linear layers but its output head: what "all-linear" adapts."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and module is not head and name})
 
@@ -79,6 +80,12 @@ def _targets(model: nn.Module, spec: LoraSpec) -> list[str]:
     return asked
 
 
+def _absolute(base_name: str) -> str:
+    """A base that is a folder is named absolutely, so its adapter loads from anywhere; a name stays a name."""
+    path = Path(base_name).expanduser()
+    return str(path.resolve()) if path.is_dir() else base_name
+
+
 def add_adapter(model: nn.Module, spec: LoraSpec, base_name: str) -> Any:
     """Injects a fresh adapter into `model` in place (its B is zero, so the model answers as before) and freezes
     everything else; returns the `PeftModel`, whose `save_pretrained` writes the adapter folder naming
@@ -87,12 +94,11 @@ def add_adapter(model: nn.Module, spec: LoraSpec, base_name: str) -> Any:
 
     if spec.rank < 1:
         raise LoraError(f"trainer.lora.rank must be at least 1, got {spec.rank}")
-    if Path(base_name).expanduser().is_dir():  # a folder is named absolutely: the adapter loads from anywhere
-        base_name = str(Path(base_name).expanduser().resolve())
+    base_name = _absolute(base_name)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=_targets(model, spec), bias="none", task_type="CAUSAL_LM",
                         base_model_name_or_path=base_name)
-    model.name_or_path = base_name  # peft names the base from here (None for a model made in memory)
+    setattr(model, "name_or_path", base_name)  # noqa: B010  peft names the base from here (None for a model made in memory)
     with _quiet_peft():
         return get_peft_model(model, config)
 
@@ -124,10 +130,34 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and module.active_adapters:
-                weight = module.get_base_layer().weight
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-                out[f"{name}.weight"] = (weight + delta).to("cpu", weight.dtype, copy=True)
+                layer: Any = module  # a lora.Linear: get_delta_weight is on the layer classes, not on LoraLayer
+                weight = layer.get_base_layer().weight
+                for adapter in (a for a in layer.active_adapters if a in layer.lora_A):
+                    weight = weight + layer.get_delta_weight(adapter)
+                out[f"{name}.weight"] = weight.to("cpu", copy=True)
     return out
+
+
+def adapter_tensors(peft_model: Any) -> dict[str, torch.Tensor]:
+    """CPU copies of the adapter's weights under peft's saved names (`adapter_model.safetensors`'s)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def write_adapter(path: Path, tensors: dict[str, torch.Tensor], spec: LoraSpec, model: nn.Module,
+                  base_name: str) -> Path:
+    """An adapter folder of `tensors` (`adapter_tensors`' names) for `model`, the base it adapts (its layers name
+    the targets), without the tokenizer: what an engine that loads adapters by name reads."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    base_name = _absolute(base_name)
+    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=_targets(model, spec),
+               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name).save_pretrained(str(path))
+    save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return path
 
 
 def is_adapter_folder(path: Path) -> bool:
@@ -167,7 +197,7 @@ def load_adapter_weights(peft_model: Any, path: Path) -> None:
         raise LoraError(f"adapter {path} has weights the model lacks (another base?): {unexpected[:3]}")
 
 
-def merged_adapter(model: nn.Module, path: Path) -> nn.Module:
+def merged_adapter(model: Any, path: Path) -> Any:
     """`model` with the adapter folder at `path` merged into its weights: a plain transformers model again."""
     from peft import PeftModel
 

@@ -20,7 +20,9 @@ from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, RequestError, SamplingParams
 from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.models import LoadedModel, load_model, save_model
+from relax_gym.models.lora import LoraSpec, write_adapter
 from relax_gym.rollout import RolloutManager
+from relax_gym.trainer.backends.torch_backend import TorchBackend
 
 pytestmark = pytest.mark.timeout(600)
 #: the most a greedy or sampled token's logprob from vLLM's CPU kernels may differ from the float32 HF forward's
@@ -124,6 +126,42 @@ def test_a_weight_push_gives_the_pushed_weights_logprobs_and_a_pause_spans_it(vl
     judged = teacher_forced(changed, probe, after.output_ids)
     assert torch.allclose(torch.tensor(after.logprobs), judged, atol=LOGPROB_TOLERANCE)
     assert not torch.allclose(judged, teacher_forced(smol, probe, after.output_ids), atol=1e-2)
+
+
+def test_a_lora_checkpoint_serves_from_vllm_by_name_and_its_answers_keep_their_adapters_version(vllm_server, smol,
+                                                                                                 tmp_path):
+    """A LoRA run's pushes are its adapter alone, loaded by name: a run's checkpoint folder (the PEFT adapter
+    beside the training state) serves as version 5, two adapter folders as 6 and 7; the oldest is unloaded (two
+    kept), answers carry the adapter's version on every token, and their logprobs are an HF forward of the base
+    with that adapter merged (peft's own merge, through `load_model`)."""
+    spec = LoraSpec(rank=8, alpha=16)
+    backend = TorchBackend(load_model(smol.name, dtype=torch.float32), lora=spec)
+    with torch.no_grad():  # an adapter that changes the answers (a fresh one's B is zero)
+        for name, p in backend.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    backend.save_checkpoint(tmp_path / "step_5", {})
+    merged = load_model(str(tmp_path / "step_5"), dtype=torch.float32)
+    folders = [tmp_path / "step_5", *(write_adapter(tmp_path / f"v{v}", backend.adapter_state_dict(), spec,
+                                                    smol.model, smol.name) for v in (6, 7))]
+    probe = _requests(smol, SamplingParams(temperature=0, max_new_tokens=12))[1]
+
+    async def use(client: VLLMEngine) -> tuple:
+        base = await client.generate(probe)
+        for version, folder in zip((5, 6, 7), folders, strict=True):
+            await client.update_weights(str(folder), version)
+        adapted = await client.generate(probe)
+        served = {m["id"] for m in (await client._request("GET", "/v1/models", None)).json()["data"]}
+        for name, _ in client.adapters:  # the session's server keeps no adapter
+            await client._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        return base, adapted, served
+
+    base, adapted, served = _with(vllm_server, use)
+    assert served - {smol.name} == {"relax-gym-v6", "relax-gym-v7"}
+    assert adapted.weight_version == 7 and set(adapted.versions()) == {7} and 7 not in base.versions()
+    judged = teacher_forced(merged, probe, adapted.output_ids)
+    assert torch.allclose(torch.tensor(adapted.logprobs), judged, atol=LOGPROB_TOLERANCE)
+    assert not torch.allclose(judged, teacher_forced(smol, probe, adapted.output_ids), atol=1e-2)
 
 
 def test_abort_ends_a_request_with_its_tokens_so_far(vllm_server, smol):
@@ -387,3 +425,21 @@ def test_a_cpu_server_with_chunked_prefill_gets_no_seeds_and_says_so(caplog):
     info = asyncio.run(run())
     assert info["context_length"] == 2048 and info["weight_version"] == "default"
     assert any("--no-enable-chunked-prefill" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_that_cannot_load_adapters_is_named_with_how_to_start_one(tmp_path):
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM 0.32 has no /v1/load_lora_adapter (a 404): the push says what
+    to start the server with, naming the rank and staleness settings."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+
+    async def run() -> None:
+        client = _recorded_vllm()
+        try:
+            with pytest.raises(RequestError, match=r"cannot load LoRA adapters: start it with "
+                                                   r"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora "
+                                                   r"--max-lora-rank R \(R >= trainer\.lora\.rank\)"):
+                await client.update_weights(str(tmp_path), 1)
+        finally:
+            await client.close()
+
+    asyncio.run(run())

@@ -21,9 +21,10 @@ from relax_gym.trainer.batch import MicroBatch, Sample
 from relax_gym.trainer.config import ConfigError, load_config
 from relax_gym.trainer.export import ExportError, export_checkpoint
 
-SPEC = LoraSpec(rank=4, alpha=8.0)
+SPEC = LoraSpec(rank=4, alpha=8)
 ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART, WARM_START = ROOT / "examples" / "configs" / "quickstart.yaml", ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
+QUICKSTART = ROOT / "examples" / "configs" / "quickstart.yaml"
+WARM_START = ROOT / "examples" / "checkpoints" / "tiny-arithmetic"
 
 
 def _pg_loss(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -100,13 +101,13 @@ def test_a_resume_refuses_an_adapter_of_another_shape_or_another_kind_of_checkpo
     TorchBackend(load_model("tiny"), lora=SPEC).save_checkpoint(tmp_path / "lora", {})
     TorchBackend(load_model("tiny")).save_checkpoint(tmp_path / "full", {})
     with pytest.raises(LoraError, match=r"its r is 4, the run's trainer.lora says 8"):
-        TorchBackend(load_model("tiny"), lora=LoraSpec(rank=8, alpha=8.0)).load_checkpoint(tmp_path / "lora")
+        TorchBackend(load_model("tiny"), lora=LoraSpec(rank=8, alpha=8)).load_checkpoint(tmp_path / "lora")
     with pytest.raises(LoraError, match="holds a LoRA adapter, but this run trains full weights"):
         TorchBackend(load_model("tiny")).load_checkpoint(tmp_path / "lora")
-    with pytest.raises(LoraError, match="holds full weights, but this run has trainer.lora"):
+    with pytest.raises(LoraError, match=r"holds full weights, but this run has trainer\.lora"):
         TorchBackend(load_model("tiny"), lora=SPEC).load_checkpoint(tmp_path / "full")
     # an adapter of the same rank and layers, trained on another base (an audio model: more q_projs, other names)
-    q_only = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj"])
+    q_only = LoraSpec(rank=4, alpha=8, target_modules=["q_proj"])
     TorchBackend(load_model("tiny-audio"), lora=q_only).save_checkpoint(tmp_path / "audio", {})
     with pytest.raises(LoraError, match=r"adapter .*audio has weights the model lacks \(another base\?\)"):
         TorchBackend(load_model("tiny"), lora=q_only).load_checkpoint(tmp_path / "audio")
@@ -129,14 +130,14 @@ def test_bad_lora_settings_are_config_errors_naming_the_key(override, said):
 
 
 def test_lora_on_the_megatron_backend_is_refused_naming_the_torch_backend():
-    with pytest.raises(ConfigError, match="trainer.lora needs trainer.backend=torch"):
+    with pytest.raises(ConfigError, match=r"trainer\.lora needs trainer\.backend=torch"):
         load_config(None, ["model=tiny", "envs=[{id: relax/Arithmetic-v0}]", "trainer.backend=megatron",
                            "trainer.lora={rank: 4}"])
 
 
 def test_alpha_defaults_to_twice_the_rank():
     cfg = load_config(None, ["model=tiny", "envs=[{id: relax/Arithmetic-v0}]", "trainer.lora={rank: 8}"])
-    assert cfg.trainer.lora is not None and cfg.trainer.lora.spec() == LoraSpec(rank=8, alpha=16.0)
+    assert cfg.trainer.lora is not None and cfg.trainer.lora.spec() == LoraSpec(rank=8, alpha=16)
 
 
 def test_a_lora_run_trains_resumes_loads_as_a_model_and_exports_merged(tmp_path, capsys):
@@ -172,5 +173,5 @@ def test_merge_on_a_full_weights_checkpoint_says_there_is_no_adapter(tmp_path):
 
     backend = TorchBackend(load_model("tiny"))
     CheckpointManager(tmp_path / "checkpoints").save(backend, 1, {})
-    with pytest.raises(ExportError, match="holds full weights .* export it without --merge"):
+    with pytest.raises(ExportError, match=r"holds full weights .* export it without --merge"):
         export_checkpoint(tmp_path, tmp_path / "out", merge=True)

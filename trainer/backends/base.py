@@ -53,6 +53,10 @@ class TrainBackend(Protocol):
         """Current weights under the Hugging Face names the engine's model uses (CPU tensors); in a job of several
         ranks, on rank 0 only ({} elsewhere: the others take part in gathering them)."""
 
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """A LoRA run's adapter (CPU copies, under the names of a PEFT folder's `adapter_model.safetensors`), for
+        engines that load adapters by name; a backend that trains no adapter raises."""
+
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Model, optimizer, RNG states and the caller's `extra` (e.g. data position).
 

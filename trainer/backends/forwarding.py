@@ -23,8 +23,8 @@ from relax_gym.trainer.backends.base import LogprobOutput, TrainBackend
 from relax_gym.trainer.batch import LossFn, Sample
 
 #: what `answer` dispatches: the `TrainBackend` methods, and the version's setter
-METHODS = frozenset({"logprobs", "train_step", "hf_state_dict", "save_checkpoint", "load_checkpoint",
-                     "set_version"})
+METHODS = frozenset({"logprobs", "train_step", "hf_state_dict", "adapter_state_dict", "save_checkpoint",
+                     "load_checkpoint", "set_version"})
 
 
 def answer(backend: TrainBackend, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
@@ -74,6 +74,10 @@ class Forwarder:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = self._call("hf_state_dict")
+        return state
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = self._call("adapter_state_dict")
         return state
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:

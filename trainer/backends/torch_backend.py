@@ -35,6 +35,7 @@ from relax_gym.models.lora import (
     ADAPTER_CONFIG,
     LoraError,
     LoraSpec,
+    adapter_tensors,
     add_adapter,
     load_adapter_weights,
     merged_weights,
@@ -480,6 +481,12 @@ class TorchBackend:
                 copies[key] = tensor.detach().to("cpu", copy=True)
             out[name] = copies[key]
         return out
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the adapter's A and B under peft's saved names (what `adapter_model.safetensors` holds)."""
+        if self.adapter is None:
+            raise LoraError("adapter_state_dict: this backend trains full weights (no trainer.lora)")
+        return adapter_tensors(self.adapter)
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """`path/` becomes a Hugging Face model folder plus the training state: optimizer.pt, trainer_state.pt.

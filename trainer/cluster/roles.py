@@ -386,10 +386,14 @@ class TrainerRank:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def save_weights(self, folder: str) -> None:
-        """The current weights as an HF folder an engine loads (`cluster.weight_sync: disk`)."""
+        """The current weights as an HF folder an engine loads (`cluster.weight_sync: disk`). A LoRA run's are its
+        merged adapted layers, laid over this rank's copy of the base first, so the folder is whole."""
         from relax_gym.models.loading import save_pretrained_folder
 
         loaded = self.loaded
-        save_pretrained_folder(Path(folder), loaded.model, loaded.processor or loaded.tokenizer,
-                               state_dict=self.backend.hf_state_dict())
+        weights = self.backend.hf_state_dict()
+        if self.cfg.trainer.lora is not None:
+            loaded.model.load_state_dict(weights, strict=False)
+            weights = None
+        save_pretrained_folder(Path(folder), loaded.model, loaded.processor or loaded.tokenizer, state_dict=weights)
 

@@ -316,6 +316,10 @@ class MegatronBackend:
         sends them to engines); {} on the other ranks, which take part in the gather."""
         return export_hf(self.bridge, self.models, keep=dist.get_rank() == 0)
 
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("the megatron backend trains full weights only (trainer.lora needs "
+                                  "trainer.backend=torch)")
+
     @compat.on_cpu
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """Model, optimizer (+ LR scheduler), RNG states and `extra`; collective, all ranks write into `path`.
