@@ -25,6 +25,7 @@ defines it and, in brackets, a shorter path that re-exports it
         StartupError                relax_gym.errors  (the CLI's exit 2)
           ConfigError               relax_gym.trainer.config
           ExportError               relax_gym.trainer.export
+          LoraError                 relax_gym.models.lora  (a trainer.lora setting or an adapter that does not fit)
           ModelLoadError            relax_gym.models.loading [relax_gym.models]
         BadRequest                  relax_gym.engines.server  (the HTTP server answers 400)
         ChatTemplateError           relax_gym.models.inputs [relax_gym.models]

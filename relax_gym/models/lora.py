@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from relax_gym.errors import StartupError
+
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
@@ -45,8 +47,9 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 ALL_LINEAR = "all-linear"
 
 
-class LoraError(ValueError):
-    """A LoRA setting the model cannot take, or an adapter that does not fit it; the message names the field."""
+class LoraError(StartupError):
+    """A LoRA setting the model cannot take, or an adapter that does not fit it; the message names the field (the
+    CLI's one line and exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -175,3 +175,13 @@ def test_merge_on_a_full_weights_checkpoint_says_there_is_no_adapter(tmp_path):
     CheckpointManager(tmp_path / "checkpoints").save(backend, 1, {})
     with pytest.raises(ExportError, match=r"holds full weights .* export it without --merge"):
         export_checkpoint(tmp_path, tmp_path / "out", merge=True)
+
+
+def test_a_run_whose_targets_the_model_lacks_stops_in_one_line(tmp_path, capsys):
+    from relax_gym.cli import main
+
+    code = main(["train", str(QUICKSTART), f"run_dir={tmp_path / 'run'}", "model=tiny", "trainer.total_steps=1",
+                 "trainer.lora={rank: 4, target_modules: [q_proj, qkv]}"])
+    said = capsys.readouterr()
+    assert code == 2 and "trainer.lora.target_modules: ['qkv'] is not a linear layer of Qwen3ForCausalLM" in said.out
+    assert "Traceback" not in said.out + said.err

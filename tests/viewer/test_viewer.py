@@ -36,13 +36,18 @@ CHROMIUM_ARGS = [
 ]
 SCRIPT = "<script>alert(1)</script>"
 # resolves with how a media element's metadata load ended, kicking the load once if none began
+# A media error is retried twice, a second apart: on a machine short of memory (the end of CI's suite) Chromium's
+# decoder process failed to start once and the element said MEDIA_ERR_SRC_NOT_SUPPORTED; a source it really
+# cannot decode fails all three loads, and `loads` says how many it took.
 METADATA_LOADED = """el => new Promise(resolve => {
-  const done = () => resolve({duration: el.duration, readyState: el.readyState,
+  let loads = 0;
+  const done = () => resolve({duration: el.duration, readyState: el.readyState, loads,
                               error: el.error && el.error.code, visibility: document.visibilityState});
-  if (el.readyState >= 1 || el.error) return done();
+  const load = () => { loads += 1; el.load(); };
+  if (el.readyState >= 1) return done();
   el.addEventListener("loadedmetadata", done, {once: true});
-  el.addEventListener("error", done, {once: true});
-  el.load();
+  el.addEventListener("error", () => loads < 3 ? setTimeout(load, 1000) : done());
+  load();
   setTimeout(done, 60000);
 })"""
 # a spread of rollout logprobs so every heat class shows up
