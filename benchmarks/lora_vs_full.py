@@ -45,7 +45,7 @@ def pushed_bytes(model: str, rank: int | None) -> tuple[int, int]:
     if rank is None:
         full = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
         return full, full
-    peft_model = add_adapter(loaded.model, LoraSpec(rank=rank, alpha=2 * rank), model)
+    peft_model = add_adapter(loaded.model, LoraSpec(rank=rank), model)
     return (sum(t.numel() * t.element_size() for t in merged_weights(loaded.model).values()),
             sum(t.numel() * t.element_size() for t in adapter_tensors(peft_model).values()))
 

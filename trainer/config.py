@@ -131,8 +131,7 @@ class LoraSection(StrictSection):
         "every linear layer but the output head")
 
     def spec(self) -> LoraSpec:
-        return LoraSpec(rank=self.rank, alpha=self.alpha or 2 * self.rank, dropout=self.dropout,
-                        target_modules=self.target_modules)
+        return LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout, target_modules=self.target_modules)
 
 
 class TrainerSection(StrictSection):

@@ -50,7 +50,7 @@ from relax_gym.trainer.algorithms import filter_uniform_groups, group_advantages
 from relax_gym.trainer.backends.base import TrainBackend
 from relax_gym.trainer.batch import Sample
 from relax_gym.trainer.checkpoint import CheckpointManager
-from relax_gym.trainer.config import TrainConfig
+from relax_gym.trainer.config import LoraSection, TrainConfig
 from relax_gym.trainer.databus import DataBus, Group
 from relax_gym.trainer.distributed import DrivingBackend, world
 from relax_gym.trainer.policy import load_policy, make_backend
@@ -562,14 +562,15 @@ class Trainer:
         return metrics, timings, self.backend.version, weights
 
     @property
-    def _pushes_adapters(self) -> bool:
-        """Whether weight pushes are LoRA adapter folders, loaded by name (vLLM), not the merged layers."""
-        return self.cfg.trainer.lora is not None and self.cfg.rollout.engine == "vllm"
+    def _pushed_adapter(self) -> LoraSection | None:
+        """The adapter whose folder each push sends where the engine loads adapters by name (vLLM); None where
+        pushes are weights (with LoRA: the merged adapted layers)."""
+        return self.cfg.trainer.lora if self.cfg.rollout.engine == "vllm" else None
 
     def _snapshot(self) -> Any:
         """The weights `_push_weights` sends, read on the trainer's thread right after the update: the adapter
-        where the engine loads adapters, else the weights (with LoRA: the merged adapted layers)."""
-        return self.backend.adapter_state_dict() if self._pushes_adapters else self.backend.hf_state_dict()
+        where the engine loads adapters, else the weights."""
+        return self.backend.adapter_state_dict() if self._pushed_adapter else self.backend.hf_state_dict()
 
     async def _conclude(self, trained: TrainedStep) -> None:
         """The run moves to a trained step: its weights go to the engine, it is logged, checkpointed, evaluated."""
@@ -640,8 +641,7 @@ class Trainer:
         try:
             await self.engine.pause()
             try:
-                if self._pushes_adapters and (lora := self.cfg.trainer.lora) is not None:
-                    # the adapter alone, as a PEFT folder the server loads by name
+                if (lora := self._pushed_adapter) is not None:  # the adapter alone: a PEFT folder loaded by name
                     folder = write_adapter(self.run_dir / "weights" / f"v{self.step}", weights, lora.spec(),
                                            self.loaded.model, self.loaded.name)
                     await self.engine.update_weights(str(folder), self.step)

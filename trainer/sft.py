@@ -20,8 +20,8 @@ from statistics import fmean
 from typing import Any
 
 from relax_gym.errors import StartupError, first_line
-from relax_gym.models import LoadedModel, save_model
-from relax_gym.models.lora import LoraSpec, save_adapter
+from relax_gym.models import LoadedModel
+from relax_gym.models.lora import LoraSpec
 from relax_gym.trainer.algorithms import sft_loss_fn
 from relax_gym.trainer.batch import Sample
 from relax_gym.trajectory import Trajectory, read_jsonl
@@ -114,10 +114,7 @@ def sft(loaded: LoadedModel, data: SftData, out: str | Path, *, epochs: int = 2,
                          **{k: float(v) for k, v in metrics.items()}})
             say(f"sft step {len(rows)}/{steps} (epoch {epoch + 1}): loss {rows[-1]['loss']:.4f}")
     out.mkdir(parents=True, exist_ok=True)
-    if backend.adapter is not None:
-        save_adapter(backend.adapter, loaded.processor or loaded.tokenizer, out)
-    else:
-        save_model(loaded, out)
+    backend.save_model_folder(out)
     with (out / METRICS_FILE).open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return {"out": str(out), "steps": len(rows), "samples": len(data.samples), "read": data.read,

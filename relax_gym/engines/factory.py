@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is
     from relax_gym.cpu_threads import ThreadPlacement
     from relax_gym.engines.embedded import Batching
 
+
 class EngineSettings(Protocol):
     """What `make_engine` reads: the `rollout.engine*` settings."""
 

@@ -201,9 +201,9 @@ class VLLMEngine(HTTPEngine):
             request.sampling)}
         if request.rid is not None:
             payload["request_id"] = request.rid
-        if self.adapters:  # the request runs on the newest adapter to its end, whatever is pushed meanwhile
-            name, adapter_version = self.adapters[-1]
-            payload["model"] = name
+        adapter = self.adapters[-1] if self.adapters else None
+        if adapter is not None:  # the request runs on the newest adapter to its end, whatever is pushed meanwhile
+            payload["model"] = adapter[0]
         before = self._version  # what a span's "default" (vLLM's version before any update) stands for
         body = (await self._request("POST", "/inference/v1/generate", payload)).json()
         choice = body["choices"][0]
@@ -215,9 +215,8 @@ class VLLMEngine(HTTPEngine):
         if reason not in ("stop", "length", "abort"):
             raise EngineError(f"server at {self.base_url}: unexpected finish_reason {reason!r}")
         logprobs = [float(c["logprob"]) for c in content]
-        if self.adapters and "model" in payload:
-            return GenerateOutput(ids, logprobs, reason, adapter_version, len(request.input_ids),
-                                  [adapter_version] * len(ids))
+        if adapter is not None:
+            return GenerateOutput(ids, logprobs, reason, adapter[1], len(request.input_ids), [adapter[1]] * len(ids))
         spans = choice.get("weight_versions") or []
         if spans:
             self._version = version_number(spans[-1].get("version"), self._version)
@@ -362,9 +361,9 @@ def vllm_engine(loaded: Any, settings: Any, lora: tuple[int, int] | None = None)
     neither, a client of a server started here on `loaded`'s folder (the model saved to a temporary folder first
     where it has none, e.g. a tiny model), in its dtype, stopped when the client closes. `lora` (rank, adapters
     kept): the clients keep that many pushed adapters loaded, and a server started here loads adapters."""
-    keep = lora[1] if lora is not None else 2
     from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES, EngineRouter
 
+    keep = lora[1] if lora is not None else 2
     folder = loaded.name if os.path.isdir(loaded.name) else None
     if settings.engine_urls:
         return EngineRouter({url: VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -54,13 +54,18 @@ class LoraError(StartupError):
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """One adapter's shape (`trainer.lora`): rank r, alpha (the update is scaled by alpha / r), dropout on the
-    adapter's input while training, and the layers it adapts (leaf names such as "q_proj", or "all-linear")."""
+    """One adapter's shape (`trainer.lora`): rank r, alpha (the update is scaled by alpha / r; None: 2 x rank),
+    dropout on the adapter's input while training, and the layers it adapts (leaf names such as "q_proj", or
+    "all-linear")."""
 
     rank: int = 16
-    alpha: int = 32
+    alpha: int | None = None
     dropout: float = 0.0
     target_modules: str | Sequence[str] = ALL_LINEAR
+
+    def __post_init__(self) -> None:
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2 * self.rank)
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -97,7 +102,7 @@ def _config(spec: LoraSpec, model: nn.Module, base_name: str) -> Any:
 
     if spec.rank < 1:
         raise LoraError(f"trainer.lora.rank must be at least 1, got {spec.rank}")
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+    return LoraConfig(r=spec.rank, lora_alpha=cast(int, spec.alpha), lora_dropout=spec.dropout,  # set: __post_init__
                       target_modules=_targets(model, spec), bias="none", task_type="CAUSAL_LM",
                       base_model_name_or_path=_absolute(base_name))
 

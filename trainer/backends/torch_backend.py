@@ -488,6 +488,14 @@ class TorchBackend:
             raise LoraError("adapter_state_dict: this backend trains full weights (no trainer.lora)")
         return adapter_tensors(self.adapter)
 
+    def save_model_folder(self, path: Path) -> None:
+        """The model part of a checkpoint, which `load_model` reads: an HF model folder, or with an adapter a PEFT
+        adapter folder (with the tokenizer and its chat template)."""
+        if self.adapter is not None:
+            save_adapter(self.adapter, self.loaded.processor or self.loaded.tokenizer, path)
+        else:
+            save_model(self.loaded, path)
+
     def save_checkpoint(self, path: Path, extra: dict[str, Any]) -> None:
         """`path/` becomes a Hugging Face model folder plus the training state: optimizer.pt, trainer_state.pt.
 
@@ -507,10 +515,7 @@ class TorchBackend:
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if self.adapter is not None:  # a PEFT adapter folder, with the tokenizer and its chat template
-            save_adapter(self.adapter, self.loaded.processor or self.loaded.tokenizer, path)
-        else:
-            save_model(self.loaded, path)
+        self.save_model_folder(path)
         safe_save(self.optimizer.state_dict(), path / _OPTIMIZER_FILE)
         safe_save({"version": self.version, "extra": extra, "rng": rng_states()}, path / _STATE_FILE)
 
