@@ -15,6 +15,7 @@ if __name__ != "relax_gym.envs":
 BUNDLED: dict[str, str] = {
     "relax/Math-v0": "relax_gym.envs.math:MathEnv",
     "relax/MathTool-v0": "relax_gym.envs.math:MathToolEnv",
+    "relax/GSM8K-v0": "relax_gym.envs.math:GSM8KEnv",
     "relax/DeepEyes-v0": "relax_gym.envs.deepeyes:DeepEyesEnv",
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",

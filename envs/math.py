@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -24,7 +24,7 @@ from relax_gym.envs.datasets import DatasetError, load_records, pick, require_go
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
 from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxFallbackWarning, container_unavailable
-from relax_gym.tools import tool
+from relax_gym.tools import ParsedTurn, ToolCall, tool
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TOOL_SYSTEM_PROMPT = (
@@ -137,6 +137,20 @@ def _check_answer_format(answer_format: str) -> AnswerFormat:
     return answer_format  # type: ignore[return-value]
 
 
+def last_python_fence(text: str) -> str | None:
+    """The code of the last closed ```python (or ```py) block in `text`, None when there is none."""
+    end = len(text)
+    while (start := max(text.rfind("```python", 0, end), text.rfind("```py\n", 0, end))) >= 0:
+        body_start = text.find("\n", start)
+        close = text.find("```", body_start) if body_start >= 0 else -1
+        if close >= 0:
+            code = text[body_start + 1 : close]
+            if code.strip():
+                return code
+        end = start
+    return None
+
+
 def _task_index(options: dict[str, Any] | None, n_tasks: int) -> int | None:
     """`options={"index": i}` picks a task, for evaluation passes over the whole set."""
     index = (options or {}).get("index")
@@ -216,14 +230,16 @@ class MathToolEnv(MathHooks, ToolEnv):
         timeout_s: float = 5.0,
         max_tool_calls_per_turn: int | None = None,
         step_timeout_s: float | None = None,
+        code_fences: bool = False,
     ):
         super().__init__(
             max_turns=max_turns, max_tool_calls_per_turn=max_tool_calls_per_turn, step_timeout_s=step_timeout_s
         )
+        self.code_fences = code_fences
         self.tasks = load_math_tasks(data_path, split)
         self.sandbox_config = SandboxConfig(require_container=require_container, timeout_s=sandbox_timeout_s)
         if not require_container and (why := container_unavailable(self.sandbox_config)):  # said before any code
-            warnings.warn(f"relax/MathTool-v0: no container sandbox ({why}); its python tool will run the model's "
+            warnings.warn(f"{type(self).__name__}: no container sandbox ({why}); its python tool will run the model's "
                           "code in a plain subprocess on this host, which is not a security boundary "
                           "(require_container=True refuses instead)", SandboxFallbackWarning, stacklevel=2)
         self.answer_format = _check_answer_format(answer_format)
@@ -245,6 +261,19 @@ class MathToolEnv(MathHooks, ToolEnv):
             sandbox = self._sandbox
         return sandbox.run(code).summary()
 
+    def parse_reply(self, action: str) -> ParsedTurn:
+        """With `code_fences`, a reply with no tool call and no \\boxed{} answer whose content has a closed
+        ```python block calls `python` with its last such block: the tool-integrated reasoning small Qwen2.5
+        models write unprompted (docs/envs.md); otherwise the tool format's reading."""
+        parsed = super().parse_reply(action)
+        if not self.code_fences or parsed.has_tool_calls or "\\boxed" in parsed.content:
+            return parsed
+        code = last_python_fence(parsed.content)
+        if code is None:
+            return parsed
+        call = ToolCall(name="python", arguments={"code": code}, raw=f"```python\n{code}```")
+        return replace(parsed, calls=[call])
+
     def scripted_actions(self) -> list[str]:
         """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a `python` call, then an answer."""
         return [self.tool_format.write_calls([("python", {"code": "print(6*7)"})]), "\\boxed{42}"]
@@ -255,3 +284,19 @@ class MathToolEnv(MathHooks, ToolEnv):
         if sandbox is not None:
             sandbox.close()
         super().close()
+
+
+class GSM8KEnv(MathToolEnv):
+    """GSM8K word problems (100 rows of its test split, MIT; docs/envs.md) with the sandboxed `python` tool.
+
+    `split` picks the shipped file: 70 rows to train on, 30 held out. Code fences are read as
+    `python` calls by default, as the small Qwen2.5 models write them (see `MathToolEnv.parse_reply`).
+    """
+
+    def __init__(self, split: Split = "train", *, code_fences: bool = True, **kwargs: Any):
+        if split not in get_args(Split):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if "data_path" in kwargs:
+            raise TypeError("relax/GSM8K-v0 reads its shipped rows; use relax/MathTool-v0 with data_path= for a file")
+        super().__init__(data_path=shipped_path("gsm8k", f"{split}.jsonl"), split=split, code_fences=code_fences,
+                         **kwargs)

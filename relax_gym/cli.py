@@ -153,7 +153,7 @@ def _template_flags(p: argparse.ArgumentParser) -> None:
                    help="passed to every chat-template render, e.g. enable_thinking=false (repeatable)")
     p.add_argument("--tool-format", default="auto",
                    help="how tool calls are read from the model's text: auto (from the tokenizer) or "
-                        "hermes | llama3 | mistral | deepseek | harmony")
+                        "hermes | hermes-loose | llama3 | mistral | deepseek | harmony")
 
 
 #: `relax-gym rollout`'s flags that are aliases of a rollout-section field: (flag, field, type, what it is)

@@ -15,5 +15,6 @@ if [ "$(id -u)" = 0 ]; then
 fi
 ruff check .
 mypy  # the files and settings are in pyproject.toml ([tool.mypy])
-python scripts/make_smollm2.py  # the real pretrained model of the suite, made once per machine (~/.cache/relax_gym)
+python scripts/make_smollm2.py  # the real pretrained models of the suite, made once per machine (~/.cache/relax_gym)
+python scripts/make_qwen_coder.py
 python -m pytest "$@"

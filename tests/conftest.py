@@ -50,10 +50,23 @@ def smollm2() -> Path:
     """SmolLM2-135M-Instruct, a real pretrained model (Llama architecture, ChatML, 135M parameters), as a
     checkpoint folder that `scripts/make_smollm2.py` makes once per machine from a registry package, outside
     the clone (`scripts/test.sh` runs it before the suite; a cold cache costs about a minute here)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_smollm2.py"
+    return _made_once("make_smollm2.py")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, the second real family (Qwen2, its own template that renders `tools`, 630M
+    parameters), a model that calls tools by itself, as a bfloat16 checkpoint folder `scripts/make_qwen_coder.py`
+    makes once per machine from six registry packages' data (sha256 pinned; the provenance is in that script)."""
+    return _made_once("make_qwen_coder.py")
+
+
+def _made_once(script_name: str) -> Path:
+    """The folder a `scripts/make_*.py` prints last: made on first use, then read from the cache outside the clone."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / script_name
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        pytest.fail(f"scripts/make_smollm2.py failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        pytest.fail(f"scripts/{script_name} failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return Path(done.stdout.strip().splitlines()[-1])
 
 

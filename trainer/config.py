@@ -33,7 +33,7 @@ class ModelSection(StrictSection):
     template_kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments every "
                                             "chat-template render gets, e.g. {enable_thinking: false}")
     tool_format: str = Field("auto", description="how tool calls are read from the model's text: auto (from the "
-                             "tokenizer) or a format name (hermes, llama3, mistral, deepseek, harmony)")
+                             "tokenizer) or a format name (hermes, hermes-loose, llama3, mistral, deepseek, harmony)")
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,16 @@ from typing import Any
 from relax_gym.env.core import StepResult
 from relax_gym.env.single_turn import SingleTurnEnv
 from relax_gym.messages import Message, message, text
-from relax_gym.tools import SchemaTool, Tool, ToolCall, ToolCallFormat, ToolResult, ToolSet, get_tool_format
+from relax_gym.tools import (
+    ParsedTurn,
+    SchemaTool,
+    Tool,
+    ToolCall,
+    ToolCallFormat,
+    ToolResult,
+    ToolSet,
+    get_tool_format,
+)
 from relax_gym.tools.formats import HERMES, make_call_id
 
 
@@ -100,13 +109,17 @@ class ToolEnv(SingleTurnEnv):
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.episode_tools.schemas
 
+    def parse_reply(self, action: str) -> ParsedTurn:
+        """The reply's content, reasoning and calls: `tool_format`'s reading, which an env may widen."""
+        return self.tool_format.parse(action)
+
     def _start_episode(self, task: Any) -> dict[str, Any]:
         return {**super()._start_episode(task), "turn": 0, "tool_calls": 0, "tool_successes": 0, "tool_errors": 0}
 
     def step(self, action: str) -> StepResult:
         ep = self.running_episode()
         ep["turn"] += 1
-        parsed = self.tool_format.parse(action)
+        parsed = self.parse_reply(action)
         if not parsed.has_tool_calls:
             return self._finish(parsed.content)
         observation: list[Message] = []

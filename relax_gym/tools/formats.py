@@ -4,7 +4,8 @@ Each family writes its tool calls its own way; a `ToolCallFormat` reads one fami
 generations (decoded with `skip_special_tokens=False`, without the final stop token)
 into a `ParsedTurn`, and writes the text such a model generates for given calls.
 
-    hermes    Qwen2.5 / Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks
+    hermes    Qwen2.5 / Qwen3 / Hermes: `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks;
+              `hermes-loose` also reads those calls written without the tags (bare or in a ``` fence)
     llama3    Llama 3.1-3.3: the whole reply is `{"name": ..., "parameters": ...}` (`;` between calls),
               optionally after `<|python_tag|>`; Llama 3.2's pythonic `[f(x=1), g(y="a")]` is read too
     mistral   `[TOOL_CALLS] [{"name": ..., "arguments": ..., "id": "abcDEF123"}]` (v3) and
@@ -94,17 +95,47 @@ def _json_args(raw: str, name: str, body: str, call_id: str | None = None) -> To
     return call_from_fields(raw, name, args, call_id)
 
 
+def _trailing_fence(content: str) -> tuple[str, str]:
+    """`(prose, body)` when `content` ends in a ``` fence (its language tag, if any, `json`); else `("", content)`."""
+    content = content.rstrip()
+    if not content.endswith("```") or len(content) < 6:
+        return "", content
+    start = content.rfind("```", 0, len(content) - 3)
+    if start < 0:
+        return "", content
+    head, _, body = content[start + 3 : -3].partition("\n")
+    if head.strip() not in ("", "json"):
+        return "", content
+    return content[:start], body
+
+
 # --- hermes ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class HermesFormat:
-    """Qwen / Hermes: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks after optional prose."""
+    """Qwen / Hermes: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks after optional prose.
+
+    `loose` (registered as "hermes-loose") also reads the calls small Qwen2.5 models write without
+    the tags their template teaches, measured on Qwen2.5-Coder-0.5B-Instruct (docs/envs.md): when
+    a reply has no `<tool_call>`, its content is calls if all of it is call-shaped JSON (an object
+    with "name" and "arguments" or "parameters", a list of them, or objects joined by `;`), or if
+    it ends in one ``` fence (```json or bare) whose whole body is that; the prose before the fence
+    stays content. Anything else is prose, as in the strict format.
+    """
 
     name: str = "hermes"
+    loose: bool = False
 
     def parse(self, text: str) -> ParsedTurn:
-        return parse_tool_calls(text)
+        turn = parse_tool_calls(text)
+        if not self.loose or turn.has_tool_calls:
+            return turn
+        prose, body = _trailing_fence(turn.content)
+        found = Llama3Format._calls(body, strict=False)
+        if found is None:
+            return turn
+        return _turn(prose, found, turn.reasoning)
 
     def write_calls(self, calls: Calls, content: str = "") -> str:
         blocks = [f"{OPEN}\n{_dumps({'name': n, 'arguments': a})}\n{CLOSE}" for n, a in calls]
@@ -649,6 +680,7 @@ def message_to_turn(message: Any) -> ParsedTurn:
 HERMES = HermesFormat()
 TOOL_FORMATS: dict[str, ToolCallFormat] = {
     "hermes": HERMES,
+    "hermes-loose": HermesFormat(name="hermes-loose", loose=True),
     "llama3": Llama3Format(),
     "mistral": MistralFormat(),
     "deepseek": DeepSeekFormat(),

@@ -19,7 +19,8 @@ from relax_gym.envs.math import MathEnv, load_math_tasks
 from relax_gym.rewards import math_reward
 
 ROOT = Path(__file__).resolve().parents[2]
-IDS = ["relax/Math-v0", "relax/MathTool-v0"]
+FILE_IDS = ["relax/Math-v0", "relax/MathTool-v0"]  # the envs that read a user's file
+IDS = [*FILE_IDS, "relax/GSM8K-v0"]
 MALFORMED = ["", "garbage %$#@!", "\\boxed{", "\\boxed{}", "Answer:", "<answer></answer>", "9" * 200_000]
 # The fallback is the point of these tests (no container engine needed); its warning is expected.
 pytestmark = pytest.mark.filterwarnings("ignore::relax_gym.sandbox.SandboxFallbackWarning")
@@ -162,7 +163,7 @@ def test_generator_script_reproduces_the_shipped_files():
 @pytest.mark.parametrize("records", [DAPO_RECORDS, SIMPLE_RECORDS], ids=["dapo", "simple"])
 def test_users_local_file_is_read(tmp_path, writer, records):
     path = writer(tmp_path / f"data.{'jsonl' if writer is write_jsonl else 'parquet'}", records)
-    for env_id in IDS:
+    for env_id in FILE_IDS:
         env = relax_gym.make(env_id, data_path=str(path))
         assert len(env.unwrapped.tasks) == 2
         check_env(env)
@@ -243,7 +244,7 @@ def test_missing_gold_is_refused_naming_file_record_and_key(tmp_path, writer, re
     stored = stored["reward_model"]["ground_truth"] if key != "answer" else stored["answer"]
     bad = records[1]["reward_model"]["ground_truth"] if key != "answer" else records[1]["answer"]
     assert stored == bad or (stored != stored and bad != bad)  # a NaN is read back as NaN, not as null
-    for env_id in IDS:
+    for env_id in FILE_IDS:
         with pytest.raises(DatasetError) as err:
             relax_gym.make(env_id, data_path=str(path))
         assert f"{path}: record 1" in str(err.value) and repr(key) in str(err.value)
@@ -327,3 +328,50 @@ def test_math_tool_says_it_would_run_code_unsandboxed_when_it_is_made_not_at_the
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # refusing instead of falling back: nothing to warn of
         relax_gym.make("relax/MathTool-v0", require_container=True).close()
+
+
+# --- relax/GSM8K-v0 ---------------------------------------------------------------
+
+
+def test_gsm8k_ships_70_training_and_30_held_out_rows_with_their_walkthroughs():
+    splits = {split: load_records(shipped_path("gsm8k", f"{split}.jsonl")) for split in ("train", "test")}
+    assert [len(rows) for rows in splits.values()] == [70, 30]
+    ids = [r["id"] for rows in splits.values() for r in rows]
+    assert len(set(ids)) == 100 and all(i.startswith("gsm8k-test-") for i in ids)
+    env = relax_gym.make("relax/GSM8K-v0", split="test").unwrapped
+    assert [t.answer for t in env.tasks[:3]] == [r["answer"].rsplit("####", 1)[1].strip() for r in splits["test"][:3]]
+    assert env.tasks[0].prompt[0][1].startswith(splits["test"][0]["question"])
+    with pytest.raises(TypeError, match="relax/MathTool-v0 with data_path"):
+        relax_gym.make("relax/GSM8K-v0", data_path="mine.jsonl")
+    with pytest.raises(ValueError, match="split"):
+        relax_gym.make("relax/GSM8K-v0", split="dev")
+
+
+FENCED = "Let me compute.\n```python\nprint(6 * 7)\n```\n```output\n41\n```\nSo the total is 41."
+
+
+def test_gsm8k_runs_a_python_fence_as_a_call_then_grades_the_boxed_answer():
+    """Tool-integrated reasoning as small Qwen2.5 models write it: a ```python block (here with the output it
+    imagined after it) runs in the sandbox; a reply with a \\boxed{} answer is graded even with a fence in it."""
+    env = relax_gym.make("relax/GSM8K-v0", sandbox_timeout_s=10.0)
+    _, info = env.reset(seed=3)
+    obs, reward, terminated, _, step_info = env.step(FENCED)
+    assert (reward, terminated, step_info["tool_calls"]) == (0.0, False, 1)
+    assert obs[0]["name"] == "python" and "42" in obs[0]["content"][0]["text"]
+    gold = gold_of(env, info)
+    _, reward, terminated, _, _ = env.step(f"```python\nprint({gold})\n```\nThe answer is \\boxed{{{gold}}}.")
+    assert (reward, terminated) == (1.0, True)
+    env.close()
+
+
+def test_math_tool_reads_fences_only_when_asked():
+    plain = relax_gym.make("relax/MathTool-v0")
+    plain.reset(seed=0)
+    assert plain.step(FENCED)[2]  # graded: the fence is prose
+    asked = relax_gym.make("relax/MathTool-v0", code_fences=True, sandbox_timeout_s=10.0)
+    asked.reset(seed=0)
+    assert asked.step("```python\nprint(1)\n")[2]  # never closed: no call
+    asked.reset(seed=0)
+    assert not asked.step(FENCED)[2]
+    for env in (plain, asked):
+        env.close()

@@ -38,6 +38,7 @@ ALL_FORMATS: list[ToolCallFormat] = [
     MistralFormat(style="v11"),
     DeepSeekFormat(style="v3.1"),
 ]
+HERMES_STRICT = HermesFormat()
 FORMAT_IDS = [f"{f.name}-{getattr(f, 'style', '')}" for f in ALL_FORMATS]
 
 # --- round trips ----------------------------------------------------------------------------------
@@ -72,10 +73,10 @@ def test_write_then_parse_round_trips(fmt: ToolCallFormat, calls: list[tuple[str
 
 
 def test_registry_names_and_unknown_names() -> None:
-    assert set(TOOL_FORMATS) == {"hermes", "llama3", "mistral", "deepseek", "harmony"}
+    assert set(TOOL_FORMATS) == {"hermes", "hermes-loose", "llama3", "mistral", "deepseek", "harmony"}
     for name, fmt in TOOL_FORMATS.items():
         assert get_tool_format(name) is fmt and fmt.name == name and isinstance(fmt, ToolCallFormat)
-    with pytest.raises(KeyError, match="hermes, llama3, mistral, deepseek, harmony"):
+    with pytest.raises(KeyError, match="hermes, hermes-loose, llama3, mistral, deepseek, harmony"):
         get_tool_format("qwen")
     with pytest.raises(ValueError, match="style"):
         MistralFormat(style="v7")
@@ -105,6 +106,32 @@ def test_hermes_reasoning_is_kept_apart_from_content() -> None:
     # cut off while thinking: no answer, and a call written while thinking is not run
     turn = parse_tool_calls('<think>maybe \\boxed{4}? <tool_call>{"name": "add", "arguments": {}}</tool_call>')
     assert turn.content == "" and not turn.has_tool_calls and turn.reasoning.startswith("maybe \\boxed{4}?")
+
+
+def test_hermes_loose_reads_the_untagged_calls_qwen25_coder_05b_writes() -> None:
+    """What Qwen2.5-Coder-0.5B-Instruct wrote, sampled through relax_gym with its own template (docs/envs.md):
+    a bare call object, and a ```json fence (with and without prose before it); the strict format reads both
+    as prose, and the loose one reads only call-shaped JSON, never code or other JSON, as calls."""
+    loose, strict = get_tool_format("hermes-loose"), HERMES_STRICT
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    fenced = ('```json\n{\n  "name": "calculate_total_cost",\n  "arguments": {\n    "lollipops": 10,\n'
+              '    "candy_cost": 3.20\n  }\n}\n```')
+    for text, content in ((bare, ""), (fenced, ""), (f"I will look it up.\n{fenced}", "I will look it up.")):
+        assert not strict.parse(text).has_tool_calls
+        turn = loose.parse(text)
+        assert turn.content == content and len(turn.calls) == 1 and not turn.errors, text
+    assert loose.parse(fenced).calls[0].arguments == {"lollipops": 10, "candy_cost": 3.2}
+    listed = loose.parse('```\n[{"name": "a", "arguments": {}}, {"name": "b", "parameters": {"x": 1}}]\n```')
+    assert [(c.name, c.arguments) for c in listed.calls] == [("a", {}), ("b", {"x": 1})]
+    for prose in ("```python\nprint(6 * 7)\n```", '```json\n{"total": 12}\n```', '{"name": "Bob", "age": 3}',
+                  'See {"name": "a", "arguments": {}} above.', "```json\n", "The total is 12."):
+        assert loose.parse(prose) == strict.parse(prose), prose
+    broken = loose.parse('{"name": "price", "arguments": {"item": milk}}')  # an attempt at a call: an error
+    assert not broken.calls and "malformed JSON" in broken.errors[0].message
+    tagged = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n{"name": "b", "arguments": {}}'
+    assert [c.name for c in loose.parse(tagged).calls] == ["a"]  # tags, where written, are the only calls
+    thinking = loose.parse('<think>{"name": "a", "arguments": {}}</think>The total is 12.')
+    assert thinking.content == "The total is 12." and not thinking.has_tool_calls
 
 
 # --- llama3 -----------------------------------------------------------------------------------------
