@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from train_memory import peak_rss_gb
 
 from relax_gym.models import load_model
@@ -41,7 +42,7 @@ def cpu_name() -> str:
 def pushed_bytes(model: str, rank: int | None) -> tuple[int, int]:
     """What one weight push carries to the embedded engine (all weights, or the merged adapted layers) and to vLLM
     (all weights, or the adapter alone)."""
-    loaded = load_model(model)
+    loaded = load_model(model, dtype=torch.float32)  # as the trainer holds it, whatever dtype the folder saved
     if rank is None:
         full = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in loaded.model.parameters()}.values())
         return full, full

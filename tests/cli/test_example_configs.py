@@ -1,4 +1,5 @@
-"""Every example config trains a few steps with its real tiny model, and the update reaches the whole model.
+"""Every example config trains a few steps with its model, and the update reaches the whole model (with
+`trainer.lora`, every adapted layer and nothing else).
 
 The tiny models are random, so their rewards (and advantages) are all zero;
 a small entropy bonus gives every trained token a gradient, which then has to
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from relax_gym.models import load_model
+from relax_gym.models.lora import linear_names
 from relax_gym.trainer.config import load_config
 from relax_gym.trainer.loop import Trainer
 
@@ -25,6 +27,8 @@ CONFIGS = sorted(p for p in (ROOT / "examples" / "configs").glob("*.yaml") if no
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_example_config_trains_and_updates_every_parameter(tmp_path, path, request):
     smollm2 = request.getfixturevalue("smollm2") if "smollm2" in path.stem else None  # made if this machine lacks it
+    if "qwen_coder" in path.stem:
+        request.getfixturevalue("qwen_coder")
     cfg = load_config(path, [
         f"run_dir={tmp_path / 'run'}", "trainer.total_steps=2", "trainer.checkpoint_every=2",
         "trainer.eval_every=0", "rollout.groups_per_step=2", "rollout.group_size=2",
@@ -42,11 +46,16 @@ def test_example_config_trains_and_updates_every_parameter(tmp_path, path, reque
     model = load_model(cfg.model.path).model
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # e.g. not sinusoidal tables
+    if cfg.trainer.lora is not None:  # a LoRA run moves the adapted linear layers only (merged into the checkpoint)
+        adapted = set(linear_names(model))
+        trainable = {name for name in trainable if name.endswith(".weight") and name.split(".")[-2] in adapted}
     summary = asyncio.run(Trainer(cfg).run())
     assert summary["steps"] == 2
     trained = load_model(str(tmp_path / "run" / "checkpoints" / "step_2")).model.state_dict()  # a model folder
     unchanged = [k for k in trainable if torch.equal(trained[k], initial[k])]
     assert not unchanged, f"parameters the update never reached: {unchanged}"
+    moved = [k for k in initial.keys() - trainable if not torch.equal(trained[k], initial[k])]
+    assert not moved or cfg.trainer.lora is None, f"a LoRA run moved frozen parameters: {moved}"
     towers = [k for k in trainable if any(t in k for t in ("visual", "vision", "audio_tower", "multi_modal"))]
     if any(m in cfg.model.path for m in ("vl", "audio", "omni")):
         assert towers  # the towers exist and (above) every one of their parameters moved
