@@ -5,6 +5,7 @@ dapo-math-17k layout (`prompt`: chat messages, `reward_model.ground_truth`),
 or the plainer `{"problem" | "question", "answer"}` layout, which gets the
 \\boxed{} instruction added. `MathEnv` asks once; `MathToolEnv` lets the model
 run Python in the sandbox first. Both write the same four hooks, shared in `MathHooks`.
+`GSM8KEnv` is `MathToolEnv` on the shipped GSM8K rows (real data, MIT; docs/envs.md).
 """
 
 from __future__ import annotations

@@ -119,9 +119,10 @@ class HermesFormat:
     `loose` (registered as "hermes-loose") also reads the calls small Qwen2.5 models write without
     the tags their template teaches, measured on Qwen2.5-Coder-0.5B-Instruct (docs/envs.md): when
     a reply has no `<tool_call>`, its content is calls if all of it is call-shaped JSON (an object
-    with "name" and "arguments" or "parameters", a list of them, or objects joined by `;`), or if
-    it ends in one ``` fence (```json or bare) whose whole body is that; the prose before the fence
-    stays content. Anything else is prose, as in the strict format.
+    with "name" and "arguments" or "parameters", a list of them, or objects joined by `;`; Llama 3's
+    reader, so a pythonic `[f(x=1)]` list counts too), or if it ends in one ``` fence (```json or
+    bare) whose whole body is that; the prose before the fence stays content. Anything else is
+    prose, as in the strict format.
     """
 
     name: str = "hermes"
