@@ -26,6 +26,7 @@ from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
 from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxFallbackWarning, container_unavailable
 from relax_gym.tools import ParsedTurn, ToolCall, tool
+from relax_gym.tools.parser import code_blocks
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 TOOL_SYSTEM_PROMPT = (
@@ -33,6 +34,8 @@ TOOL_SYSTEM_PROMPT = (
     "When you know the answer, reply without a tool call and put the final answer within \\boxed{}."
 )
 PROMPT_ROLES = ("system", "user")
+#: the language tags of the code blocks `code_fences` runs
+PYTHON_TAGS = ("python", "py", "python3")
 Split = Literal["train", "test"]
 
 
@@ -139,17 +142,9 @@ def _check_answer_format(answer_format: str) -> AnswerFormat:
 
 
 def last_python_fence(text: str) -> str | None:
-    """The code of the last closed ```python (or ```py) block in `text`, None when there is none."""
-    end = len(text)
-    while (start := max(text.rfind("```python", 0, end), text.rfind("```py\n", 0, end))) >= 0:
-        body_start = text.find("\n", start)
-        close = text.find("```", body_start) if body_start >= 0 else -1
-        if close >= 0:
-            code = text[body_start + 1 : close]
-            if code.strip():
-                return code
-        end = start
-    return None
+    """The code of the last closed ```python (```py, ```python3) block of `text` with any code in it, else None."""
+    code = [b.body for b in code_blocks(text) if b.language in PYTHON_TAGS and b.body.strip()]
+    return code[-1] if code else None
 
 
 def _task_index(options: dict[str, Any] | None, n_tasks: int) -> int | None:

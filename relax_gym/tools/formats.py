@@ -46,6 +46,7 @@ from relax_gym.tools.parser import (
     ToolCall,
     call_from_fields,
     call_from_object,
+    code_blocks,
     decode_json,
     json_problem,
     parse_tool_calls,
@@ -96,17 +97,13 @@ def _json_args(raw: str, name: str, body: str, call_id: str | None = None) -> To
 
 
 def _trailing_fence(content: str) -> tuple[str, str]:
-    """`(prose, body)` when `content` ends in a ``` fence (its language tag, if any, `json`); else `("", content)`."""
+    """`(prose, body)` when `content` ends in a ```json (or bare ```) block; else `("", content)`."""
     content = content.rstrip()
-    if not content.endswith("```") or len(content) < 6:
+    blocks = code_blocks(content)
+    last = blocks[-1] if blocks else None
+    if last is None or last.end != len(content) or last.language not in ("", "json"):
         return "", content
-    start = content.rfind("```", 0, len(content) - 3)
-    if start < 0:
-        return "", content
-    head, _, body = content[start + 3 : -3].partition("\n")
-    if head.strip() not in ("", "json"):
-        return "", content
-    return content[:start], body
+    return content[: last.start], last.body
 
 
 # --- hermes ------------------------------------------------------------------------

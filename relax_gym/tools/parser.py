@@ -121,6 +121,31 @@ def _parse_block(raw: str) -> ToolCall | MalformedToolCall:
     return call_from_object(raw, obj)
 
 
+@dataclass(frozen=True)
+class CodeBlock:
+    """A closed Markdown code block: where it starts and ends in the text, its language tag and its body."""
+
+    start: int
+    end: int
+    language: str
+    body: str
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    """The closed ``` blocks of `text` in order: each opens with ``` and a language tag on its own line and
+    closes at the next ```. An unclosed last block is not one. Linear time: `str.find` only."""
+    blocks: list[CodeBlock] = []
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        line_end = text.find("\n", start + 3)
+        close = text.find("```", line_end + 1) if line_end >= 0 else -1
+        if close < 0:
+            break
+        blocks.append(CodeBlock(start, close + 3, text[start + 3 : line_end].strip(), text[line_end + 1 : close]))
+        pos = close + 3
+    return blocks
+
+
 def split_reasoning(text: str, open_tag: str = THINK_OPEN, close_tag: str = THINK_CLOSE) -> tuple[str, str]:
     """`(reasoning, rest)`: the first `open_tag ... close_tag` block taken out of `text`.
 

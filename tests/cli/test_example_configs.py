@@ -27,8 +27,7 @@ CONFIGS = sorted(p for p in (ROOT / "examples" / "configs").glob("*.yaml") if no
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_example_config_trains_and_updates_every_parameter(tmp_path, path, request):
     smollm2 = request.getfixturevalue("smollm2") if "smollm2" in path.stem else None  # made if this machine lacks it
-    if "qwen_coder" in path.stem:
-        request.getfixturevalue("qwen_coder")
+    qwen_coder = request.getfixturevalue("qwen_coder") if "qwen_coder" in path.stem else None
     cfg = load_config(path, [
         f"run_dir={tmp_path / 'run'}", "trainer.total_steps=2", "trainer.checkpoint_every=2",
         "trainer.eval_every=0", "rollout.groups_per_step=2", "rollout.group_size=2",
@@ -39,6 +38,8 @@ def test_example_config_trains_and_updates_every_parameter(tmp_path, path, reque
         cfg.model.path = str(ROOT / cfg.model.path)
     if path.stem == "smollm2_shopping":  # the ladder's RL rung starts from its sft rung's folder: from SmolLM2 here,
         cfg.model.path, cfg.model.chat_template = str(smollm2), "chatml-tools"  # with the template sft saves
+    if qwen_coder is not None:  # where the fixture made it ($RELAX_GYM_MODEL_CACHE may move it from the config's)
+        cfg.model.path = str(qwen_coder)
     for env in cfg.envs:  # an env file named relative to the clone
         file, sep, env_id = env.id.partition(":")
         if sep and (ROOT / file).is_file():
