@@ -563,9 +563,9 @@ class Trainer:
 
     @property
     def _pushed_adapter(self) -> LoraSection | None:
-        """The adapter whose folder each push sends where the engine loads adapters by name (vLLM); None where
-        pushes are weights (with LoRA: the merged adapted layers)."""
-        return self.cfg.trainer.lora if self.cfg.rollout.engine == "vllm" else None
+        """The adapter whose folder each push sends where the engine loads adapters by name (vLLM, SGLang); None
+        where pushes are weights (the embedded engine: the merged adapted layers)."""
+        return self.cfg.trainer.lora if self.cfg.rollout.engine in ("vllm", "sglang") else None
 
     def _snapshot(self) -> Any:
         """The weights `_push_weights` sends, read on the trainer's thread right after the update: the adapter

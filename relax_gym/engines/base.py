@@ -118,6 +118,9 @@ class GenerateRequest:
     #: SGLang's `return_routed_experts`: the output carries the experts each MoE layer routed every token to
     return_routed_experts: bool = False
     videos: list[Video] = field(default_factory=list)
+    #: the LoRA adapter the request runs on, by the name it was loaded under (SGLang's `lora_path`, vLLM's
+    #: `model`); None: the base weights, or the weights the engine was last pushed
+    adapter: str | None = None
 
 
 @dataclass

@@ -67,6 +67,7 @@ from relax_gym.engines.base import (
 )
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
 from relax_gym.engines.decode_attention import use_decode_attention
+from relax_gym.engines.resident_adapters import ResidentAdapters
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, concat_media, encode_media
 from relax_gym.models.inputs import takes_token_types
@@ -176,6 +177,15 @@ class _Row:
 class _Update:
     tensors: dict[str, torch.Tensor]
     version: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _AdapterChange:
+    """A LoRA adapter loaded or unloaded (`ResidentAdapters`), applied as a weight update is: between batches."""
+
+    change: Callable[[], None]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -319,6 +329,8 @@ class EmbeddedEngine:
         )
         if self.continuous and self.device.type == "cpu":
             use_decode_attention(self.model)
+        #: LoRA adapters loaded by name, which requests name (`GenerateRequest.adapter`); none at first
+        self.adapters = ResidentAdapters(self.model)
         self._version = 0
         self._paused = False
         self._aborts = 0  # `pause(abort=True)` calls so far
@@ -330,7 +342,7 @@ class EmbeddedEngine:
         #: after it fails)
         self._rows: list[_Row] = []
         self._admitting: list[_Job] = []
-        self._updates: deque[_Update] = deque()
+        self._updates: deque[_Update | _AdapterChange] = deque()
         self._cond = threading.Condition()
         self._processor_lock = threading.Lock()
         self._placement = placement or ThreadPlacement()
@@ -398,6 +410,25 @@ class EmbeddedEngine:
             self._updates.append(update)
             self._cond.notify_all()
         await update.future
+
+    async def load_adapter(self, name: str, folder: str | os.PathLike[str]) -> None:
+        """Loads the PEFT adapter folder as `name`, for the requests that name it; the base and other adapters
+        stay as they are. Applied between batches, as weight updates are."""
+        await self._change_adapters(functools.partial(self.adapters.load, name, folder))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unloads adapter `name` between batches; queued requests naming it then fail."""
+        await self._change_adapters(functools.partial(self.adapters.unload, name))
+
+    async def _change_adapters(self, change: Callable[[], None]) -> None:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        item = _AdapterChange(change, loop.create_future(), loop)
+        with self._cond:
+            self._check_open()
+            self._updates.append(item)
+            self._cond.notify_all()
+        await item.future
 
     async def pause(self, *, abort: bool = False) -> None:
         """Returns once the running batch (if any) has finished; requests that arrive meanwhile wait for
@@ -494,6 +525,7 @@ class EmbeddedEngine:
         ids, params = request.input_ids, request.sampling
         if not ids:
             raise RequestError("input_ids: empty")
+        self.adapters.check(request.adapter)
         if request.return_routed_experts and not self._routers:
             raise RequestError(f"return_routed_experts: model {self.loaded.name!r} has no mixture-of-experts routers")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -533,6 +565,9 @@ class EmbeddedEngine:
             weights = _read_checkpoint(Path(weights))
         if not isinstance(weights, Mapping) or not weights:
             raise RequestError(f"update_weights: expected a non-empty state dict or folder, got {type(weights)}")
+        if self.adapters:
+            raise RequestError(f"update_weights: LoRA adapters are loaded ({sorted(self.adapters.folders)}): unload "
+                               "them before updating the base weights")
         targets = self.model.state_dict(keep_vars=True)
         checked: dict[str, torch.Tensor] = {}
         for key, value in weights.items():
@@ -642,7 +677,16 @@ class EmbeddedEngine:
         for update in updates:
             _resolve(update.loop, update.future, EngineError("the embedded engine closed before the update"))
 
-    def _apply(self, update: _Update) -> None:
+    def _apply(self, update: _Update | _AdapterChange) -> None:
+        if isinstance(update, _AdapterChange):
+            try:
+                update.change()
+            except Exception as err:  # a refused adapter: the caller's error; the model is as it was
+                _resolve(update.loop, update.future, err if isinstance(err, EngineError) else EngineError(
+                    f"changing the LoRA adapters failed: {err!r}"))
+                return
+            _resolve(update.loop, update.future, None)
+            return
         targets = self.model.state_dict(keep_vars=True)
         try:
             with torch.no_grad():
@@ -701,10 +745,22 @@ class EmbeddedEngine:
     def _admit(self, batch: RunningBatch, rows: list[_Row], jobs: list[_Job]) -> None:
         """Prefills `jobs`, samples their first tokens and adds the rows that go on to `batch`; a prefill, a
         seed or a first sample that fails is retried one job at a time, so a bad request fails alone and the
-        worker never dies of a request's error."""
+        worker never dies of a request's error. Jobs of different adapters prefill apart (a shared prompt
+        prefix runs once for a group: its cache is its adapter's)."""
+        groups: dict[str | None, list[_Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.request.adapter, []).append(job)
+        if len(groups) > 1:
+            for group in groups.values():
+                self._admit(batch, rows, group)
+            return
+        adapter = jobs[0].request.adapter
         try:
-            joining, logits = batch.prefill([job.request.input_ids for job in jobs],
-                                            room=[max(0, job.request.sampling.max_new_tokens - 1) for job in jobs])
+            self.adapters.check(adapter)  # unloaded while the job was queued
+            with self.adapters.rows(adapter):
+                joining, logits = batch.prefill([job.request.input_ids for job in jobs],
+                                                room=[max(0, job.request.sampling.max_new_tokens - 1)
+                                                      for job in jobs])
             new = [_Row(job, self._version, seeded_generators([job.request.sampling], self.device)[0])
                    for job in jobs]
             going, tokens = self._sample(new, logits)
@@ -724,7 +780,8 @@ class EmbeddedEngine:
     def _advance(self, batch: RunningBatch, rows: list[_Row]) -> None:
         """One decode step of every running row; a step that fails ends them all with its error."""
         try:
-            logits = batch.step()
+            with self.adapters.rows([row.job.request.adapter for row in rows]):
+                logits = batch.step()
         except Exception as err:
             for row in rows:
                 row.job.resolve(EngineError(f"generation failed for request {row.job.request.rid!r}: {err!r}"))
@@ -764,6 +821,8 @@ class EmbeddedEngine:
     # --- static batching --------------------------------------------------------------------
 
     def _generate(self, jobs: list[_Job], version: int) -> list[GenerateOutput]:
+        for job in jobs:
+            self.adapters.check(job.request.adapter)  # unloaded while the job was queued
         prompts = [job.request.input_ids for job in jobs]
         inputs = self._batch_inputs(prompts, [job.mm_inputs for job in jobs])
         decoder = _BatchDecoder(
@@ -790,7 +849,7 @@ class EmbeddedEngine:
         )
         hook = self.model.register_forward_hook(decoder.capture)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.adapters.rows([job.request.adapter for job in jobs]):
                 self.model.generate(
                     **inputs,
                     generation_config=config,
@@ -826,7 +885,7 @@ class EmbeddedEngine:
         if not ran:
             return np.empty(0, dtype=np.int32)
         inputs = self._batch_inputs([ran], [job.mm_inputs])
-        with recording(self.model) as routes, torch.no_grad():
+        with recording(self.model) as routes, torch.no_grad(), self.adapters.rows(job.request.adapter):
             self.model(**inputs)
         return torch.stack([layer[0] for layer in routes], dim=1).to(torch.int32).cpu().numpy().reshape(-1)
 

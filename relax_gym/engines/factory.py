@@ -58,7 +58,8 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
     is the cap), an `EngineRouter` over one client per `engine_urls` entry (named by URL; each gives up on its
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
     engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`).
-    `lora` (rank, adapters kept): a run that pushes LoRA adapters; a vLLM server takes them by name."""
+    `lora` (rank, adapters kept): a run that pushes LoRA adapters, which vLLM and SGLang servers load by name."""
+    keep = lora[1] if lora is not None else 2
     if settings.engine == "vllm":
         from relax_gym.engines.vllm import vllm_engine
 
@@ -68,13 +69,14 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
         from relax_gym.engines.sglang import SGLangEngine
 
         return EngineRouter({url: SGLangEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,
-                                               max_connections=None) for url in settings.engine_urls},
+                                               max_connections=None, keep_adapters=keep)
+                             for url in settings.engine_urls},
                             wait_s=settings.engine_outage_timeout_s)
     if settings.engine == "sglang" and settings.engine_url:
         from relax_gym.engines.sglang import SGLangEngine
 
         return SGLangEngine(settings.engine_url, outage_timeout_s=settings.engine_outage_timeout_s,
-                            max_connections=None)
+                            max_connections=None, keep_adapters=keep)
     from relax_gym.engines.embedded import EmbeddedEngine, engine_device, engine_dtype
 
     device = engine_device(settings.engine_device)

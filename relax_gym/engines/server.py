@@ -203,6 +203,8 @@ class GenerateIn(BaseModel):
     rid: Annotated[Text, Field(max_length=256)] | None = None
     stream: StrictBool = False
     return_routed_experts: StrictBool = False
+    #: SGLang's: the name of a loaded LoRA adapter to run on (`/load_lora_adapter`); None: the base
+    lora_path: Annotated[Text, Field(max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateIn:
@@ -239,6 +241,19 @@ class UpdateOptionsIn(UpdateIn):
 
 class UpdateFromDiskIn(UpdateIn):
     model_path: Text
+
+
+class LoadAdapterIn(BaseModel):
+    """SGLang's `/load_lora_adapter`: a PEFT adapter folder on the server's disk, loaded under `lora_name`."""
+
+    lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
+    lora_path: Text
+    #: SGLang keeps a pinned adapter in GPU memory; every adapter here is resident, so it is accepted and moot
+    pinned: StrictBool = False
+
+
+class UnloadAdapterIn(BaseModel):
+    lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
 
 
 class UpdateFromTensorIn(UpdateOptionsIn):
@@ -522,12 +537,12 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         if body.input_ids is not None:
             _check_placeholders(body, engine.loaded.processor)
             return GenerateRequest(body.input_ids, params, images, audios, rid=body.rid, return_routed_experts=routes,
-                                   videos=videos)
+                                   videos=videos, adapter=body.lora_path)
         assert body.text is not None  # GenerateIn's validator: exactly one of text and input_ids
         ids, media = await asyncio.to_thread(engine.encode, body.text, images, audios, videos)
         _check_length(len(ids), params.max_new_tokens, context, "text")
         return GenerateRequest(ids, params, images, audios, media or None, body.rid, return_routed_experts=routes,
-                               videos=videos)
+                               videos=videos, adapter=body.lora_path)
 
     @app.post("/generate")
     async def generate(body: GenerateIn, request: Request) -> Any:
@@ -548,6 +563,28 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     @app.post("/update_weights_from_disk")
     async def update_from_disk(body: UpdateFromDiskIn) -> JSONResponse:
         return await _update(body.model_path, body.weight_version, body.flush_cache)
+
+    def _adapters_answer(error: str | None = None) -> JSONResponse:
+        """SGLang's answer to both adapter routes: success, its error, and the adapters loaded by name."""
+        return JSONResponse({"success": error is None, "error_message": error,
+                             "loaded_adapters": dict(engine.adapters.folders)}, status_code=400 if error else 200)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterIn) -> JSONResponse:
+        """Loads a PEFT adapter folder (safetensors only) by name, beside the base and the adapters loaded."""
+        try:
+            await engine.load_adapter(body.lora_name, body.lora_path)
+        except RequestError as err:
+            return _adapters_answer(str(err))
+        return _adapters_answer()
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterIn) -> JSONResponse:
+        try:
+            await engine.unload_adapter(body.lora_name)
+        except RequestError as err:
+            return _adapters_answer(str(err))
+        return _adapters_answer()
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(body: BeginWeightUpdateIn) -> JSONResponse:
@@ -762,7 +799,10 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "relax-gym"}]}
+        served = [{"id": name, "object": "model", "created": 0, "owned_by": "relax-gym"}]
+        served += [{"id": adapter, "object": "model", "created": 0, "owned_by": "relax-gym", "parent": name,
+                    "root": folder} for adapter, folder in engine.adapters.folders.items()]
+        return {"object": "list", "data": served}
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # SGLang's older name, which it still answers

@@ -49,6 +49,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,7 +74,9 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
+from relax_gym.engines.pushed_adapters import ADAPTER_NAME, PushedAdapters
 from relax_gym.engines.weight_group import dtype_name
+from relax_gym.models.lora import ADAPTER_CONFIG
 from relax_gym.video import Video, lossless_bytes
 from relax_gym.web.address import is_loopback
 from relax_gym.web.client import backoff_delay
@@ -90,6 +93,9 @@ SERVE_BACKEND = "relax_gym embedded"
 MAX_RESUMES = 16
 #: seconds `pause` retries /flush_cache, which SGLang refuses while aborted requests are still winding down
 FLUSH_TIMEOUT_S = 60.0
+#: how one launches an SGLang server that loads a run's adapters at runtime
+LORA_HINT = ("launch SGLang with --enable-lora --max-lora-rank R (R >= trainer.lora.rank) --lora-target-modules all "
+             "--max-loaded-loras K (K >= trainer.max_staleness + 1); relax-gym serve loads adapters as it is")
 #: the oldest SGLang release the client drives (its `sampling_seed` in an int32, abort-mode pauses, `rid`s)
 MIN_SGLANG = (0, 5, 6)
 #: the first SGLang release that loads tensor and distributed updates only inside a weight-update session
@@ -146,11 +152,13 @@ class SGLangEngine(HTTPEngine):
         api_key: str | None = None,
         flush_timeout_s: float = FLUSH_TIMEOUT_S,
         share_tensors: bool | None = None,
+        keep_adapters: int = 2,
     ) -> None:
         """The connection's settings are `HTTPEngine`'s. `flush_timeout_s` bounds how long `pause` waits for the
         server to be idle. `share_tensors` (default: whether `base_url` is loopback) sends state dicts as tensors
         shared on this host (`tensor_ipc`); False for a server on this host that cannot map this process's memory
-        (another container's shared memory, another GPU context)."""
+        (another container's shared memory, another GPU context). `keep_adapters`: how many pushed LoRA adapters
+        stay loaded (the newest)."""
         super().__init__(base_url, timeout_s=timeout_s, outage_timeout_s=outage_timeout_s, backoff_s=backoff_s,
                          max_backoff_s=max_backoff_s, retries=retries, max_connections=max_connections,
                          api_key=api_key, flush_timeout_s=flush_timeout_s, share_tensors=share_tensors)
@@ -158,6 +166,8 @@ class SGLangEngine(HTTPEngine):
         self.share_tensors = is_loopback(httpx.URL(self.base_url).host) if share_tensors is None else share_tensors
         self._shared: list[tuple[str, torch.Tensor]] | None = None  # the last state dict shared, in shared memory
         self._info: dict[str, Any] | None = None  # `_server_info`'s
+        #: the pushed adapters loaded, oldest first; a request naming none runs on the newest
+        self.adapters = PushedAdapters(keep_adapters)
 
     async def connect(self) -> dict[str, Any]:
         """Waits (up to `outage_timeout_s`) for the server, resumes generation and returns /model_info, whose
@@ -256,6 +266,9 @@ class SGLangEngine(HTTPEngine):
         }
         if request.rid is not None:
             payload["rid"] = request.rid
+        pushed = self.adapters.newest if request.adapter is None else None
+        if request.adapter is not None or pushed is not None:  # kept to the end, resumed parts included
+            payload["lora_path"] = request.adapter if pushed is None else pushed[0]
         if request.return_routed_experts:
             payload["return_routed_experts"] = True
         if request.images:
@@ -283,6 +296,9 @@ class SGLangEngine(HTTPEngine):
         else:
             raise EngineError(f"server at {self.base_url}: request {request.rid!r} was aborted by {MAX_RESUMES + 1} "
                               "pauses in a row")
+        if pushed is not None:  # every token is the adapter's: the server's version is its base's
+            return GenerateOutput(ids, logprobs, part.finish_reason, pushed[1], len(request.input_ids),
+                                  [pushed[1]] * len(ids), part.routed_experts)
         token_versions = versions if len(set(versions)) > 1 else None
         # the last part's routes cover the whole sequence: a resent part's prompt holds the earlier parts' tokens
         return GenerateOutput(ids, logprobs, part.finish_reason, part.weight_version, len(request.input_ids),
@@ -313,7 +329,9 @@ class SGLangEngine(HTTPEngine):
         """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:
         shared with a server on this host (`tensor_ipc`: CUDA IPC or shared memory, SGLang's payload), else as
         base64 safetensors, which only `relax-gym serve` reads."""
-        if isinstance(weights, (str, os.PathLike)):
+        if isinstance(weights, (str, os.PathLike)) and (Path(weights) / ADAPTER_CONFIG).is_file():
+            await self._load_adapter(Path(weights), version)
+        elif isinstance(weights, (str, os.PathLike)):
             await self._update("/update_weights_from_disk", {"model_path": str(weights)}, version)
         elif isinstance(weights, Mapping) and self.share_tensors:
             # this process's memory: `shared` holds it until the server has answered (and copied it)
@@ -338,6 +356,29 @@ class SGLangEngine(HTTPEngine):
                                    {"safetensors_b64": base64.b64encode(blob).decode()}, version)
         else:
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
+
+    async def _load_adapter(self, folder: Path, version: int) -> None:
+        """Loads the PEFT adapter folder as `relax-gym-v{version}` (`/load_lora_adapter`) for every later request,
+        then unloads those older than the newest `keep_adapters`. A name still loaded from before a resume is
+        unloaded and loaded again: SGLang refuses a name it has."""
+        name = ADAPTER_NAME.format(version=version)
+        payload = {"lora_name": name, "lora_path": str(folder)}
+        try:
+            try:
+                await self._request("POST", "/load_lora_adapter", payload)
+            except RequestError as err:
+                if "already loaded" not in str(err):
+                    raise
+                await self._request("POST", "/unload_lora_adapter", {"lora_name": name})
+                await self._request("POST", "/load_lora_adapter", payload)
+        except RequestError as err:
+            if err.status == 404 or "not enabled" in str(err):
+                raise RequestError(f"server at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
+            raise
+        _, stale = self.adapters.pushed(version)
+        self._version = version
+        for old in stale:
+            await self._request("POST", "/unload_lora_adapter", {"lora_name": old})
 
     async def _update(self, route: str, payload: dict[str, Any], version: int) -> None:
         """One weight route with `version`; the server must say it succeeded."""

@@ -61,6 +61,7 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
+from relax_gym.engines.pushed_adapters import ADAPTER_NAME, PushedAdapters
 from relax_gym.errors import StartupError
 
 logger = logging.getLogger("relax_gym.engines")
@@ -75,8 +76,6 @@ LAUNCH_HINT = ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_ser
                "(N >= --max-model-len), or let the run start it (rollout.engine: vllm without engine_url)")
 #: the ranks vLLM 0.32's `--max-lora-rank` takes (`vllm.config.lora.MaxLoRARanks`)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: the name a pushed adapter of version v is loaded under
-ADAPTER_NAME = "relax-gym-v{version}"
 LORA_HINT = ("start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora --max-lora-rank R (R >= "
              "trainer.lora.rank), --max-loras K (K >= trainer.max_staleness + 1), or let the run start it")
 #: the command that installs vLLM where relax_gym looks for it (its own venv: it pins its own torch)
@@ -117,9 +116,8 @@ class VLLMEngine(HTTPEngine):
         self.context_length: int | None = None
         #: whether requests carry their seeds (False on a server whose engine dies of them: see the module doc)
         self.seeded = True
-        self.keep_adapters = max(1, keep_adapters)
-        #: the loaded adapters, oldest first, as (name, version); requests name the last one
-        self.adapters: list[tuple[str, int]] = []
+        #: the pushed adapters loaded, oldest first; requests name the newest
+        self.adapters = PushedAdapters(keep_adapters)
 
     async def connect(self) -> dict[str, Any]:
         """Waits for the server, resumes it (a killed trainer may have left it paused), and checks it is a vLLM
@@ -201,7 +199,7 @@ class VLLMEngine(HTTPEngine):
             request.sampling)}
         if request.rid is not None:
             payload["request_id"] = request.rid
-        adapter = self.adapters[-1] if self.adapters else None
+        adapter = self.adapters.newest
         if adapter is not None:  # the request runs on the newest adapter to its end, whatever is pushed meanwhile
             payload["model"] = adapter[0]
         before = self._version  # what a span's "default" (vLLM's version before any update) stands for
@@ -249,10 +247,9 @@ class VLLMEngine(HTTPEngine):
             if err.status == 404:
                 raise RequestError(f"vLLM at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
             raise
-        self.adapters = [(n, v) for n, v in self.adapters if n != name] + [(name, version)]
+        _, stale = self.adapters.pushed(version)
         self._version = version
-        while len(self.adapters) > self.keep_adapters:
-            old, _ = self.adapters.pop(0)
+        for old in stale:
             await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})
 
     async def pause(self) -> None:

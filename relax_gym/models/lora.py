@@ -37,6 +37,7 @@ __all__ = [
     "load_adapter_weights",
     "merged_adapter",
     "merged_weights",
+    "quiet_peft",
     "save_adapter",
     "write_adapter",
 ]
@@ -116,12 +117,12 @@ def add_adapter(model: nn.Module, spec: LoraSpec, base_name: str) -> Any:
     config = _config(spec, model, base_name)
     # peft takes the base's name from the model (None for one made in memory), over the config's
     setattr(model, "name_or_path", config.base_model_name_or_path)  # noqa: B010
-    with _quiet_peft():
+    with quiet_peft():
         return get_peft_model(model, config)
 
 
 @contextmanager
-def _quiet_peft() -> Iterator[None]:
+def quiet_peft() -> Iterator[None]:
     """peft 0.21 asks transformers 5 for a name it deprecated (`is_gradient_checkpointing`): a FutureWarning at
     every adapter, which says nothing to the user."""
     with warnings.catch_warnings():
@@ -216,7 +217,7 @@ def merged_adapter(model: Any, path: Path) -> Any:
     from peft import PeftModel
 
     try:
-        with _quiet_peft():
+        with quiet_peft():
             return PeftModel.from_pretrained(model, str(path)).merge_and_unload()
     except RuntimeError as err:
         raise LoraError(f"adapter {path} does not fit its base model (another base?): "

@@ -24,8 +24,8 @@ def error_body(response: httpx.Response) -> dict[str, Any]:
 
 
 def error_message(response: httpx.Response) -> str:
-    """A failed answer's message on one line: the one shape's {"error": {"message"}}, SGLang's {"message"} and
-    {"error": "..."}, FastAPI's {"detail"}, else the text."""
+    """A failed answer's message on one line: the one shape's {"error": {"message"}}, SGLang's {"message"},
+    {"error": "..."} and {"error_message"} (its LoRA routes), FastAPI's {"detail"}, else the text."""
     try:
         body = response.json()
     except ValueError:
@@ -34,7 +34,7 @@ def error_message(response: httpx.Response) -> str:
         if isinstance(body, dict):
             error = body.get("error")
             found = (error.get("message") if isinstance(error, dict) else error) or body.get("message") \
-                or body.get("detail") or body
+                or body.get("error_message") or body.get("detail") or body
         else:
             found = body
     return " ".join(str(found).split())[:500]

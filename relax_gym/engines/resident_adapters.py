@@ -1,0 +1,145 @@
+"""Several LoRA adapters of one base resident in an engine's model at once, each batch row on its own (multi-LoRA
+serving: what SGLang's and vLLM's `--enable-lora` do), through peft.
+
+peft injects each loaded adapter's layers beside the base layer it adapts and leaves the base weights as they
+were; a LoRA layer given `adapter_names` (one per batch row; `BASE` for none) adds to each row only its own
+adapter's update, unmerged (peft's mixed-adapter batches). `rows` hands every LoRA layer those names for the
+forwards inside it, through forward pre-hooks of our own on peft's public `LoraLayer`: peft's own context takes
+one list for every forward, while the engine's forwards differ in size (a prompt prefix shared by a group runs
+once, identical prompts once). A batch all of one adapter runs on peft's active adapter instead, with no
+per-row gather (SmolLM2, 16 rows, one decode forward: base 89 ms, one adapter active 113 ms, the same rows named
+one by one 135 ms; `benchmarks/embedded_lora.py`).
+
+An adapter folder is read only from its safetensors (`adapter_model.safetensors`), never a pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from relax_gym.engines.base import RequestError
+from relax_gym.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, quiet_peft
+
+__all__ = ["BASE", "ResidentAdapters"]
+
+#: peft's name for "no adapter" in a mixed batch
+BASE = "__base__"
+
+
+class ResidentAdapters:
+    """The adapters loaded into one model, by name; the model is untouched until the first is loaded and is a
+    plain transformers model again once the last is unloaded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._peft: Any = None  # the PeftModel while any adapter is loaded
+        self._active: str | None = None  # the adapter peft runs every row on when given no names
+        #: name -> the folder it was loaded from, in load order
+        self.folders: dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.folders)
+
+    def load(self, name: str, folder: str | os.PathLike[str]) -> None:
+        """Loads the PEFT adapter folder as `name`; refused (RequestError) for a name in use, a folder that is no
+        adapter, or an adapter that does not fit this model (another base, other layers)."""
+        path = Path(folder).expanduser()
+        if not name or name == BASE:
+            raise RequestError(f"lora_name: {name!r} cannot name an adapter")
+        if name in self.folders:
+            raise RequestError(f"lora_name: an adapter named {name!r} is already loaded (from {self.folders[name]});"
+                               " unload it first")
+        missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / f).is_file()]
+        if missing:
+            raise RequestError(f"lora_path: {path} is no PEFT adapter folder (it lacks {', '.join(missing)})")
+        try:
+            # peft's warnings (a base renamed, keys missing) are this method's own checks, said in its error
+            with quiet_peft(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                if self._peft is None:  # peft's `from_pretrained`, but keeping `load_adapter`'s result to check
+                    from peft import PeftConfig, get_peft_model
+
+                    config = PeftConfig.from_pretrained(str(path))
+                    config.inference_mode = True
+                    self._peft = get_peft_model(self.model, config, adapter_name=name)
+                result = self._peft.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            # peft's own filter of the missing keys matches the name anywhere in a key ("b" in "base_model")
+            stray = [*(k for k in result.missing_keys if f".{name}." in k), *result.unexpected_keys]
+            if stray:
+                raise ValueError(f"{len(stray)} of its weights name no layer of this model's, e.g. {stray[0]}")
+        except (RuntimeError, ValueError, KeyError) as err:  # a size mismatch, a target the model lacks
+            if self._peft is not None and name in self._peft.peft_config:
+                self._peft.delete_adapter(name)
+            if not self.folders:
+                self._release()
+            reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise RequestError(f"lora_path: the adapter at {path} does not fit this model (another base, or "
+                               f"layers it lacks): {reason}") from None
+        self.model.eval()
+        self.folders[name] = str(path)
+        self._active = None  # peft keeps its first adapter active: set again before use
+
+    def unload(self, name: str) -> None:
+        """Removes adapter `name`; RequestError naming the loaded ones if there is none of that name."""
+        if name not in self.folders:
+            raise RequestError(f"lora_name: no adapter named {name!r} is loaded; loaded: {sorted(self.folders)}")
+        del self.folders[name]
+        self._active = None
+        if self.folders:
+            with warnings.catch_warnings():  # "Adapter x was active which is now deleted": nothing is active here
+                warnings.simplefilter("ignore", UserWarning)
+                self._peft.delete_adapter(name)
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        """The model without peft's layers, as it was before the first adapter."""
+        if self._peft is not None:
+            self._peft.base_model.unload()
+            self._peft = None
+
+    def check(self, name: str | None) -> None:
+        """RequestError unless `name` (a request's adapter) is None or loaded."""
+        if name is not None and name not in self.folders:
+            raise RequestError(f"lora_path: no adapter named {name!r} is loaded; loaded: {sorted(self.folders)}")
+
+    @contextmanager
+    def rows(self, names: str | Sequence[str | None] | None) -> Iterator[None]:
+        """The forwards inside run each batch row on its adapter: `names` has one per row (None: the base), or is
+        one name (or None) for every row of any batch. Nothing happens while no adapter is loaded."""
+        if not self.folders:
+            yield
+            return
+        from peft.tuners.lora import LoraLayer
+
+        listed: Sequence[str | None] = [names] if isinstance(names, str) or names is None else names
+        given = [BASE if n is None else n for n in listed]
+        uniform = len(set(given)) == 1
+        if uniform and given[0] != BASE:  # peft's plain forward on its active adapter
+            if self._active != given[0]:
+                self._peft.base_model.set_adapter(given[0], inference_mode=True)
+                self._active = given[0]
+            yield
+            return
+        given = given[:1] if uniform else given
+
+        def name_rows(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            rows = args[0].shape[0] if args else kwargs["x"].shape[0]
+            if not uniform and rows != len(given):
+                raise RuntimeError(f"a forward of {rows} rows was given {len(given)} adapter names")
+            return args, {**kwargs, "adapter_names": given * rows if uniform else given}
+
+        hooks = [m.register_forward_pre_hook(name_rows, with_kwargs=True)
+                 for m in self.model.modules() if isinstance(m, LoraLayer)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
