@@ -26,7 +26,7 @@ from lora_vs_full import cpu_name
 from relax_gym.engines import GenerateRequest, SamplingParams
 from relax_gym.engines.embedded import EmbeddedEngine
 from relax_gym.models import load_model
-from relax_gym.models.lora import LoraSpec, add_adapter, adapter_tensors, merged_weights, write_adapter
+from relax_gym.models.lora import LoraSpec, adapter_tensors, add_adapter, merged_weights, write_adapter
 
 SPEC = LoraSpec(rank=16)
 PROMPT = "Write a short story about a robot who learns to paint, in plain words."

@@ -379,6 +379,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pydantic import ValidationError
 
     from relax_gym.engines.embedded import engine_device
@@ -395,8 +397,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_device(args.device)
     except ValueError as err:
         raise StartupError(f"relax-gym serve --device: {err}") from None
+    adapters: dict[str, str] = {}
+    for given_path in args.lora_paths:  # SGLang's forms: NAME=FOLDER, or FOLDER named by its last part
+        name, _, folder = given_path.rpartition("=") if "=" in given_path else (
+            Path(given_path).name, "", given_path)
+        if not name or not folder or name in adapters:
+            raise StartupError(f"relax-gym serve --lora-paths: {given_path!r}: give NAME=FOLDER, each NAME once")
+        adapters[name] = folder
     serve(args.model, host=args.host, port=args.port, device=args.device, api_key_file=args.api_key_file,
-          limits=limits)
+          limits=limits, adapters=adapters)
     return 0
 
 
@@ -586,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", metavar="PATH",
                    help=f"file holding the API key (default: ${ENGINE_KEY_ENV}, else one is generated and printed; "
                         "required beyond loopback)")
+    p.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=FOLDER",
+                   help="PEFT adapter folders to load at start, by name, as SGLang's flag takes them (more load and "
+                        "unload at runtime through /load_lora_adapter and /unload_lora_adapter)")
     for name, limit in ServerLimits.model_fields.items():
         kind = int if limit.annotation is int or int in get_args(limit.annotation) else float
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar=kind.__name__.upper(),

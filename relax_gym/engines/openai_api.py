@@ -178,13 +178,14 @@ def choice_of(loaded: LoadedModel, out: GenerateOutput, index: int, tool_format:
 
 async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatCompletionIn, *,
                           tool_format: ToolCallFormat, decode_image: Any, model_name: str, context: int | None = None,
-                          timeout_s: float | None = None) -> dict[str, Any]:
+                          timeout_s: float | None = None, adapter: str | None = None) -> dict[str, Any]:
     """The completion of `body` on `engine`, in OpenAI's shape (see the module docstring).
 
     `context`: the model's, which the prompt and `max_tokens` must fit: a chat whose text cannot fit is refused
     before it is rendered (`LoadedModel.max_token_chars`), the prompt is checked before any prefill, and a chat that
     gives no `max_tokens` gets what the context has left, up to the default. `timeout_s`: the engine's bound on each
-    generation, which then ends with the tokens it has so far, finish reason "length" (the embedded engine's)."""
+    generation, which then ends with the tokens it has so far, finish reason "length" (the embedded engine's).
+    `adapter`: the loaded LoRA adapter it runs on (None: the base)."""
     if context is not None:
         chars = text_chars(body)
         if chars > context * loaded.max_token_chars:
@@ -197,6 +198,7 @@ async def chat_completion(engine: Engine, loaded: LoadedModel, body: ChatComplet
                            f"{str(err)[:300]}") from None
     if context is not None:
         request = _fitted(request, body, context)
+    request.adapter = adapter
     requests = [request if body.n == 1 else replace(request, sampling=replace(
         request.sampling, seed=None if body.seed is None else body.seed + i)) for i in range(body.n)]
     generate = engine.generate if timeout_s is None else \

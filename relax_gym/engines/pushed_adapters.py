@@ -1,20 +1,26 @@
 """The LoRA adapters a run has pushed to a server that loads them by name (SGLang's and vLLM's runtime LoRA routes):
 which name each push loads under, which name a request runs on, and which loaded ones to unload.
 
-Every push is loaded as `relax-gym-v{version}` and every later request names the newest, keeping it to its end
-whatever is pushed meanwhile, so all of a request's tokens have that adapter's version. The newest `keep` stay
-loaded: a run keeps `max_staleness + 1`, so a request of the oldest version it may still train on finishes on its
-own adapter.
+A push of version v from the folder `run/weights/v{v}` is loaded as `relax-gym-{run}-v{v}`, `{run}` a digest of
+the folder it sits in: two runs on one server never share a name, and a resumed run pushes under its own names
+again. Every later request names the newest and keeps it to its end whatever is pushed meanwhile, so all of a
+request's tokens have that adapter's version. The newest `keep` stay loaded: a run keeps `max_staleness + 1`, so
+a request of the oldest version it may still train on finishes on its own adapter.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
-__all__ = ["ADAPTER_NAME", "PushedAdapters"]
+__all__ = ["PushedAdapters", "adapter_name"]
 
-#: the name a pushed adapter of version v is loaded under
-ADAPTER_NAME = "relax-gym-v{version}"
+
+def adapter_name(folder: str | Path, version: int) -> str:
+    """The name the adapter folder `folder` of `version` is loaded under."""
+    run = hashlib.blake2b(str(Path(folder).resolve().parent).encode(), digest_size=4).hexdigest()
+    return f"relax-gym-{run}-v{version}"
 
 
 class PushedAdapters:
@@ -32,11 +38,10 @@ class PushedAdapters:
         """The adapter a request starting now runs on, or None before the first push."""
         return self.loaded[-1] if self.loaded else None
 
-    def pushed(self, version: int) -> tuple[str, list[str]]:
-        """Records the push of `version` (a version pushed again, after a resume, moves to the end): its name, and
-        the names now past `keep`, to unload, oldest first."""
-        name = ADAPTER_NAME.format(version=version)
+    def pushed(self, name: str, version: int) -> list[str]:
+        """Records that `name` of `version` is loaded (a name loaded again, after a resume, moves to the end);
+        returns the names now past `keep`, to unload, oldest first."""
         self.loaded = [(n, v) for n, v in self.loaded if n != name] + [(name, version)]
         stale = self.loaded[: max(0, len(self.loaded) - self.keep)]
         self.loaded = self.loaded[len(stale):]
-        return name, [n for n, _ in stale]
+        return [n for n, _ in stale]

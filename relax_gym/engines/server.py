@@ -59,7 +59,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
@@ -96,6 +96,7 @@ from relax_gym.engines.server_media import (
 )
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SERVE_BACKEND
 from relax_gym.engines.weight_group import WeightGroup, create_group, parse_dtype
+from relax_gym.errors import StartupError
 from relax_gym.tools.formats import tool_format_of
 from relax_gym.version import __version__
 from relax_gym.video import Video
@@ -774,10 +775,13 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
         hold = queue.take(body.n)
         if hold is None:
             return _queue_full(queue)
+        # vLLM's way: a `model` naming a loaded adapter runs on it (the base's name, or none, on the base)
+        adapter = body.model if body.model in engine.adapters.folders else None
         try:
             answer = await _unless_gone(request, chat_completion(
-                engine, engine.loaded, body, tool_format=tool_format, decode_image=images_of_request(), model_name=name,
-                context=context, timeout_s=limits.request_timeout_s), hold.displaced)
+                engine, engine.loaded, body, tool_format=tool_format, decode_image=images_of_request(),
+                model_name=adapter or name, context=context, timeout_s=limits.request_timeout_s, adapter=adapter),
+                hold.displaced)
         finally:
             queue.give_back(hold)
         if hold.displaced.is_set():
@@ -823,6 +827,15 @@ def create_app(engine: EmbeddedEngine, *, api_key: str | None, limits: ServerLim
     return app
 
 
+async def load_adapters(engine: EmbeddedEngine, adapters: Mapping[str, str]) -> None:
+    """Loads each adapter folder under its name; a StartupError names the first that does not load."""
+    for name, folder in adapters.items():
+        try:
+            await engine.load_adapter(name, folder)
+        except RequestError as err:
+            raise StartupError(f"relax-gym serve --lora-paths {name}={folder}: {err}") from None
+
+
 def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's settings for `app` under `limits`: the read deadline, connection cap and SIGTERM drain."""
     return web_serve.uvicorn_config(app, host, port, limits.bounds, drain_timeout_s=limits.drain_timeout_s, **kwargs)
@@ -836,11 +849,13 @@ def serve(
     device: str = "auto",
     api_key_file: str | os.PathLike | None = None,
     limits: ServerLimits | None = None,
+    adapters: Mapping[str, str] | None = None,
     **engine_kwargs: Any,
 ) -> None:
     """Loads `model` (a tiny model name or a local HF folder) and serves it until interrupted or SIGTERM
     (requests in flight get `drain_timeout_s` to finish, then are aborted). `device` as `rollout.engine_device`
-    takes it: "auto" is the first GPU (in bfloat16) where torch sees one, else the CPU."""
+    takes it: "auto" is the first GPU (in bfloat16) where torch sees one, else the CPU. `adapters` (name ->
+    PEFT adapter folder) are loaded before it serves; one that does not load stops it, naming it."""
     from relax_gym.models import load_model
 
     limits = limits or ServerLimits()
@@ -849,6 +864,11 @@ def serve(
         logger.warning("serving on %s: reachable beyond this machine over plain HTTP, so the API key travels in "
                        "clear; put TLS (a reverse proxy) or an SSH tunnel in front", host)
     engine = EmbeddedEngine(load_model(model), device=engine_device(device), **engine_kwargs)
+    try:
+        asyncio.run(load_adapters(engine, adapters or {}))
+    except BaseException:
+        asyncio.run(engine.close())
+        raise
     if generated:
         announce_generated_key(api_key, ENGINE_KEY_ENV)
     try:

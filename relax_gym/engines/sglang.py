@@ -74,7 +74,7 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
-from relax_gym.engines.pushed_adapters import ADAPTER_NAME, PushedAdapters
+from relax_gym.engines.pushed_adapters import PushedAdapters, adapter_name
 from relax_gym.engines.weight_group import dtype_name
 from relax_gym.models.lora import ADAPTER_CONFIG
 from relax_gym.video import Video, lossless_bytes
@@ -358,10 +358,10 @@ class SGLangEngine(HTTPEngine):
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
 
     async def _load_adapter(self, folder: Path, version: int) -> None:
-        """Loads the PEFT adapter folder as `relax-gym-v{version}` (`/load_lora_adapter`) for every later request,
+        """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` (`/load_lora_adapter`) for every later request,
         then unloads those older than the newest `keep_adapters`. A name still loaded from before a resume is
         unloaded and loaded again: SGLang refuses a name it has."""
-        name = ADAPTER_NAME.format(version=version)
+        name = adapter_name(folder, version)
         payload = {"lora_name": name, "lora_path": str(folder)}
         try:
             try:
@@ -375,7 +375,7 @@ class SGLangEngine(HTTPEngine):
             if err.status == 404 or "not enabled" in str(err):
                 raise RequestError(f"server at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
             raise
-        _, stale = self.adapters.pushed(version)
+        stale = self.adapters.pushed(name, version)
         self._version = version
         for old in stale:
             await self._request("POST", "/unload_lora_adapter", {"lora_name": old})

@@ -15,10 +15,10 @@ What maps to what:
   version, with no request sent twice;
 - a LoRA adapter folder (`adapter_config.json`: what a LoRA run pushes) is loaded by name instead
   (`/v1/load_lora_adapter`, the server started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`):
-  `relax-gym-v{version}`, which every later request names as its `model`. A request keeps the adapter it started
-  with, so all its tokens have that adapter's version; the newest `keep_adapters` stay loaded (a run keeps
-  `max_staleness + 1`, so a request of the oldest version it may still train on finishes on its own adapter), and
-  older ones are unloaded;
+  `relax-gym-{run}-v{version}` (`pushed_adapters`), which every later request names as its `model`. A request
+  keeps the adapter it started with, so all its tokens have that adapter's version; the newest `keep_adapters`
+  stay loaded (a run keeps `max_staleness + 1`, so a request of the oldest version it may still train on finishes
+  on its own adapter), and older ones are unloaded;
 - `abort(rid)` is `/inference/v1/abort_requests` (vLLM prefixes a request id with "generate-tokens-"): the
   answer comes back with the tokens so far and finish_reason "abort";
 - stop ids, seeds and the sampling params are vLLM's own fields; a prompt and budget past the model's context are
@@ -61,7 +61,7 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
-from relax_gym.engines.pushed_adapters import ADAPTER_NAME, PushedAdapters
+from relax_gym.engines.pushed_adapters import PushedAdapters, adapter_name
 from relax_gym.errors import StartupError
 
 logger = logging.getLogger("relax_gym.engines")
@@ -199,9 +199,11 @@ class VLLMEngine(HTTPEngine):
             request.sampling)}
         if request.rid is not None:
             payload["request_id"] = request.rid
-        adapter = self.adapters.newest
+        adapter = self.adapters.newest if request.adapter is None else None
         if adapter is not None:  # the request runs on the newest adapter to its end, whatever is pushed meanwhile
             payload["model"] = adapter[0]
+        elif request.adapter is not None:  # an adapter of the caller's own, loaded by name: vLLM's `model`
+            payload["model"] = request.adapter
         before = self._version  # what a span's "default" (vLLM's version before any update) stands for
         body = (await self._request("POST", "/inference/v1/generate", payload)).json()
         choice = body["choices"][0]
@@ -238,16 +240,16 @@ class VLLMEngine(HTTPEngine):
         self._version = version
 
     async def _load_adapter(self, folder: Path, version: int) -> None:
-        """Loads the PEFT adapter folder as `relax-gym-v{version}` for every later request, then unloads the
+        """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` for every later request, then unloads the
         adapters older than the newest `keep_adapters`."""
-        name = ADAPTER_NAME.format(version=version)
+        name = adapter_name(folder, version)
         try:
             await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except RequestError as err:
             if err.status == 404:
                 raise RequestError(f"vLLM at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
             raise
-        _, stale = self.adapters.pushed(version)
+        stale = self.adapters.pushed(name, version)
         self._version = version
         for old in stale:
             await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})

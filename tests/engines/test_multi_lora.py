@@ -16,6 +16,7 @@ from support.fake_sglang_server import sglang_app
 
 from relax_gym.engines import API_KEY_ENV, GenerateRequest, RequestError, SamplingParams, SGLangEngine
 from relax_gym.engines.embedded import EmbeddedEngine
+from relax_gym.engines.pushed_adapters import adapter_name
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.models.lora import LoraSpec, add_adapter, merged_adapter, save_adapter
 
@@ -101,6 +102,17 @@ def _argmax(loaded: LoadedModel, ids: list[int], output_ids: list[int]) -> list[
     return logits[len(ids) - 1 : -1].argmax(-1).tolist()
 
 
+def _chat_logprobs(judge: LoadedModel, said: list[float]) -> list[float]:
+    """`judge`'s greedy logprobs of a reply as long as `said` to "hi", through the model's own template."""
+    ids = judge.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in said:
+            out.append(int(judge.model(torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return teacher_forced(judge, GenerateRequest(ids, GREEDY), out).tolist()
+
+
 def test_bad_adapters_and_names_are_refused_naming_the_field(adapters, tmp_path):
     other = _adapter(tmp_path / "audio", 3, "tiny-audio", LoraSpec(rank=4, target_modules=["q_proj"]))
     (tmp_path / "empty").mkdir()
@@ -153,6 +165,12 @@ def test_the_sglang_double_loads_serves_and_unloads_adapters_by_sglangs_routes(a
             assert unknown.status_code == 400 and "no adapter named 'zz' is loaded" in unknown.text
             models = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]}
             assert models == {"tiny", "a"}
+            chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 6,
+                    "logprobs": True}
+            for model, judge in (("a", merged["a"]), ("tiny", merged[None])):  # vLLM's way: `model` names one
+                answer = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={**chat, "model": model}).json()
+                said = [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
+                assert answer["model"] == model and said == pytest.approx(_chat_logprobs(judge, said), abs=1e-4)
             gone = httpx.post(f"{url}/unload_lora_adapter", headers=AUTH, json={"lora_name": "a"})
             assert gone.status_code == 200 and gone.json()["loaded_adapters"] == {}
     finally:
@@ -160,8 +178,8 @@ def test_the_sglang_double_loads_serves_and_unloads_adapters_by_sglangs_routes(a
 
 
 def test_the_sglang_client_pushes_adapters_by_name_keeps_the_newest_and_reports_their_versions(adapters, merged):
-    """`update_weights` of an adapter folder loads it as `relax-gym-v{version}`; requests run on the newest and
-    every token has its version; the newest `keep_adapters` stay loaded; a version pushed again (a resume, the
+    """`update_weights` of an adapter folder loads it as `relax-gym-{run}-v{version}`; requests run on the newest
+    and every token has its version; the newest `keep_adapters` stay loaded; a version pushed again (a resume, the
     server still holding it) loads again."""
     engine = EmbeddedEngine(chaotic_model("tiny"))
     ids = _prompts(merged[None])[1]
@@ -183,13 +201,69 @@ def test_the_sglang_client_pushes_adapters_by_name_keeps_the_newest_and_reports_
             seen = asyncio.run(run(url))
     finally:
         asyncio.run(engine.close())
-    assert [names for names, _ in seen] == [["relax-gym-v1"], ["relax-gym-v1", "relax-gym-v2"],
-                                            ["relax-gym-v2", "relax-gym-v3"], ["relax-gym-v2", "relax-gym-v3"]]
+    v1, v2, v3 = (adapter_name(adapters["a"], v) for v in (1, 2, 3))
+    assert [names for names, _ in seen] == [[v1], sorted([v1, v2]), sorted([v2, v3]), sorted([v2, v3])]
     for (_, out), (version, name) in zip(seen, ((1, "a"), (2, "b"), (3, "a"), (3, "a")), strict=True):
         assert out.weight_version == version and set(out.versions()) == {version}
         judged = teacher_forced(merged[name], GenerateRequest(ids, GREEDY), out.output_ids)
         assert torch.allclose(torch.tensor(out.logprobs), judged, atol=1e-4)
     assert engine.weight_version == 0  # the base never changed
+
+
+def test_two_runs_push_to_one_server_under_their_own_names_and_each_runs_on_its_own(adapters, merged, tmp_path):
+    """Two LoRA runs share a server: each one's pushes (from its own weights folder) load under names of its own,
+    so the same version of the other run replaces nothing, and each run's requests are its own adapter's."""
+    import shutil
+
+    engine = EmbeddedEngine(chaotic_model("tiny"))
+    ids = _prompts(merged[None])[2]
+    pushes = {}
+    for run, name in (("run-1", "a"), ("run-2", "b")):
+        pushes[run] = tmp_path / run / "weights" / "v1"
+        shutil.copytree(adapters[name], pushes[run])
+
+    async def run(url: str) -> dict:
+        clients = {run: SGLangEngine(url, api_key=KEY, keep_adapters=1) for run in pushes}
+        try:
+            for run, client in clients.items():
+                await client.connect()
+                await client.update_weights(str(pushes[run]), 1)
+            return {run: await client.generate(GenerateRequest(ids, GREEDY)) for run, client in clients.items()}
+        finally:
+            for client in clients.values():
+                await client.close()
+
+    try:
+        with serving_app(sglang_app(engine, api_key=KEY, model_path="tiny")) as url:
+            outs = asyncio.run(run(url))
+            resident = set(engine.adapters.folders)
+    finally:
+        asyncio.run(engine.close())
+    assert resident == {adapter_name(pushes["run-1"], 1), adapter_name(pushes["run-2"], 1)} and len(resident) == 2
+    for run, name in (("run-1", "a"), ("run-2", "b")):
+        judged = teacher_forced(merged[name], GenerateRequest(ids, GREEDY), outs[run].output_ids)
+        assert torch.allclose(torch.tensor(outs[run].logprobs), judged, atol=1e-4), run
+    assert outs["run-1"].output_ids != outs["run-2"].output_ids
+
+
+def test_serve_loads_its_lora_paths_at_start_and_stops_in_one_line_on_one_that_does_not_load(adapters, tmp_path,
+                                                                                              capsys):
+    """`relax-gym serve --lora-paths NAME=FOLDER ...` (SGLang's flag): loaded before it serves; a malformed entry or
+    a folder that is no adapter stops it with exit 2 and one line naming it, before anything listens."""
+    from relax_gym.cli import main
+    from relax_gym.engines.server import load_adapters
+    from relax_gym.errors import StartupError
+
+    assert main(["serve", "--lora-paths", f"a={adapters['a']}", f"a={adapters['b']}"]) == 2
+    assert "relax-gym serve --lora-paths: " in capsys.readouterr().out
+    engine = EmbeddedEngine(chaotic_model("tiny"))
+    try:
+        asyncio.run(load_adapters(engine, {"a": str(adapters["a"]), "b": str(adapters["b"])}))
+        assert sorted(engine.adapters.folders) == ["a", "b"]
+        with pytest.raises(StartupError, match=r"--lora-paths c=.*: lora_path: .* is no PEFT adapter folder"):
+            asyncio.run(load_adapters(engine, {"c": str(tmp_path)}))
+    finally:
+        asyncio.run(engine.close())
 
 
 def test_a_push_to_an_sglang_launched_without_lora_says_how_to_launch_it(adapters):
@@ -233,7 +307,7 @@ def test_a_lora_run_on_an_sglang_server_pushes_only_adapters_and_trains_on_their
             resident = sorted(engine.adapters.folders)
     finally:
         asyncio.run(engine.close())
-    assert resident == ["relax-gym-v3"] and engine.weight_version == 0
+    assert resident == [adapter_name(run / "weights" / "v3", 3)] and engine.weight_version == 0
     assert {f.name for f in (run / "weights" / "v3").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     trajectories = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
     by_step = {(t["step"], v) for t in trajectories for v in t["versions"] if v >= 0}

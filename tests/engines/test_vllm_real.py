@@ -18,6 +18,7 @@ from support.engines import make_request, teacher_forced
 
 from relax_gym import messages as M
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, RequestError, SamplingParams
+from relax_gym.engines.pushed_adapters import adapter_name
 from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.models import LoadedModel, load_model, save_model
 from relax_gym.models.lora import LoraSpec, write_adapter
@@ -157,7 +158,7 @@ def test_a_lora_checkpoint_serves_from_vllm_by_name_and_its_answers_keep_their_a
         return base, adapted, served
 
     base, adapted, served = _with(vllm_server, use)
-    assert served - {smol.name} == {"relax-gym-v6", "relax-gym-v7"}
+    assert served - {smol.name} == {adapter_name(folders[1], 6), adapter_name(folders[2], 7)}
     assert adapted.weight_version == 7 and set(adapted.versions()) == {7} and 7 not in base.versions()
     judged = teacher_forced(merged, probe, adapted.output_ids)
     assert torch.allclose(torch.tensor(adapted.logprobs), judged, atol=LOGPROB_TOLERANCE)
@@ -180,8 +181,8 @@ def test_a_lora_run_pushes_its_adapter_to_vllm_each_step_and_trains_on_its_versi
             capsys.readouterr().out
     finally:  # the session's server keeps no adapter
         _with(vllm_server, lambda client: asyncio.gather(*(client._request(
-            "POST", "/v1/unload_lora_adapter", {"lora_name": f"relax-gym-v{v}"}) for v in (1, 2)),
-            return_exceptions=True))
+            "POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(run / "weights" / f"v{v}", v)})
+            for v in (1, 2)), return_exceptions=True))
     pushed = list((run / "weights").glob("v*"))
     assert [p.name for p in pushed] == ["v2"] and {f.name for f in pushed[0].iterdir()} == {
         "adapter_config.json", "adapter_model.safetensors"}
