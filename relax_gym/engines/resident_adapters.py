@@ -15,6 +15,7 @@ An adapter folder is read only from its safetensors (`adapter_model.safetensors`
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -59,6 +60,9 @@ class ResidentAdapters:
         missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / f).is_file()]
         if missing:
             raise RequestError(f"lora_path: {path} is no PEFT adapter folder (it lacks {', '.join(missing)})")
+        kind = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("peft_type")
+        if kind != "LORA":
+            raise RequestError(f"lora_path: {path} holds a {kind} adapter; only LoRA adapters are served")
         try:
             # peft's warnings (a base renamed, keys missing) are this method's own checks, said in its error
             with quiet_peft(), warnings.catch_warnings():

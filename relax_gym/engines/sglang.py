@@ -283,7 +283,7 @@ class SGLangEngine(HTTPEngine):
         versions: list[int] = []
         for resumes in range(MAX_RESUMES + 1):
             body = (await self._request("POST", "/generate", payload)).json()
-            part = self._output(body, len(payload["input_ids"]))
+            part = self._output(body, len(payload["input_ids"]), None if pushed is None else pushed[1])
             ids += part.output_ids
             logprobs += part.logprobs
             versions += part.versions()
@@ -296,15 +296,14 @@ class SGLangEngine(HTTPEngine):
         else:
             raise EngineError(f"server at {self.base_url}: request {request.rid!r} was aborted by {MAX_RESUMES + 1} "
                               "pauses in a row")
-        if pushed is not None:  # every token is the adapter's: the server's version is its base's
-            return GenerateOutput(ids, logprobs, part.finish_reason, pushed[1], len(request.input_ids),
-                                  [pushed[1]] * len(ids), part.routed_experts)
         token_versions = versions if len(set(versions)) > 1 else None
         # the last part's routes cover the whole sequence: a resent part's prompt holds the earlier parts' tokens
         return GenerateOutput(ids, logprobs, part.finish_reason, part.weight_version, len(request.input_ids),
                               token_versions, part.routed_experts)
 
-    def _output(self, body: dict[str, Any], prompt_tokens: int) -> GenerateOutput:
+    def _output(self, body: dict[str, Any], prompt_tokens: int, adapter_version: int | None = None) -> GenerateOutput:
+        """One answer of /generate; `adapter_version`: it ran on a pushed adapter, whose version every token has
+        (the server's own version is its base's, and is not taken as the client's)."""
         meta = body.get("meta_info") or {}
         pairs = meta.get("output_token_logprobs") or []
         ids = [int(t) for t in body.get("output_ids") or [p[1] for p in pairs]]
@@ -319,11 +318,14 @@ class SGLangEngine(HTTPEngine):
                 f"server at {self.base_url} ran a prompt of {ran} tokens for the {prompt_tokens} sent: it tokenized "
                 "the prompt again (SGLang decodes the ids of a prompt with images, audio or video and runs its "
                 "processor on the text), so its tokens and logprobs are not the trajectory's")
-        before, self._version = self._version, version_number(meta.get("weight_version"), self._version)
         routes = meta.get("routed_experts")  # SGLang's: base64 of int32 [token, layer, top_k]
-        return GenerateOutput(ids, [float(p[0]) for p in pairs], reason, self._version, prompt_tokens,
-                              span_versions(meta.get("weight_versions"), len(ids), before),
-                              None if routes is None else np.frombuffer(base64.b64decode(routes), dtype=np.int32))
+        experts = None if routes is None else np.frombuffer(base64.b64decode(routes), dtype=np.int32)
+        logprobs = [float(p[0]) for p in pairs]
+        if adapter_version is not None:
+            return GenerateOutput(ids, logprobs, reason, adapter_version, prompt_tokens, None, experts)
+        before, self._version = self._version, version_number(meta.get("weight_version"), self._version)
+        return GenerateOutput(ids, logprobs, reason, self._version, prompt_tokens,
+                              span_versions(meta.get("weight_versions"), len(ids), before), experts)
 
     async def update_weights(self, weights: Any, version: int) -> None:
         """A folder path goes through /update_weights_from_disk, a state dict through /update_weights_from_tensor:
@@ -358,8 +360,8 @@ class SGLangEngine(HTTPEngine):
             raise RequestError(f"update_weights: expected a folder path or a state dict, got {type(weights)}")
 
     async def _load_adapter(self, folder: Path, version: int) -> None:
-        """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` (`/load_lora_adapter`) for every later request,
-        then unloads those older than the newest `keep_adapters`. A name still loaded from before a resume is
+        """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` (`/load_lora_adapter`) for every later
+        request, then unloads those older than the newest `keep_adapters`. A name still loaded from before a resume is
         unloaded and loaded again: SGLang refuses a name it has."""
         name = adapter_name(folder, version)
         payload = {"lora_name": name, "lora_path": str(folder)}

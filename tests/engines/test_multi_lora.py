@@ -116,6 +116,10 @@ def _chat_logprobs(judge: LoadedModel, said: list[float]) -> list[float]:
 def test_bad_adapters_and_names_are_refused_naming_the_field(adapters, tmp_path):
     other = _adapter(tmp_path / "audio", 3, "tiny-audio", LoraSpec(rank=4, target_modules=["q_proj"]))
     (tmp_path / "empty").mkdir()
+    ia3 = tmp_path / "ia3"
+    ia3.mkdir()
+    (ia3 / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    (ia3 / "adapter_model.safetensors").write_bytes(b"")
     engine = EmbeddedEngine(chaotic_model("tiny"))
     ids = [5, 9, 13]
 
@@ -124,6 +128,8 @@ def test_bad_adapters_and_names_are_refused_naming_the_field(adapters, tmp_path)
             await engine.load_adapter("x", tmp_path / "empty")
         with pytest.raises(RequestError, match=r"lora_path: the adapter at .*audio does not fit this model"):
             await engine.load_adapter("x", other)
+        with pytest.raises(RequestError, match=r"lora_path: .*ia3 holds a IA3 adapter; only LoRA adapters are served"):
+            await engine.load_adapter("x", ia3)
         assert not engine.adapters
         await engine.load_adapter("a", adapters["a"])
         with pytest.raises(RequestError, match=r"lora_name: an adapter named 'a' is already loaded"):
@@ -192,6 +198,7 @@ def test_the_sglang_client_pushes_adapters_by_name_keeps_the_newest_and_reports_
             for version, name in ((1, "a"), (2, "b"), (3, "a"), (3, "a")):
                 await client.update_weights(str(adapters[name]), version)
                 seen.append((sorted(engine.adapters.folders), await client.generate(GenerateRequest(ids, GREEDY))))
+                assert client.weight_version == version  # the pushed adapter's, not the server's base's
             return seen
         finally:
             await client.close()
