@@ -398,11 +398,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise StartupError(f"relax-gym serve --device: {err}") from None
     adapters: dict[str, str] = {}
-    for given_path in args.lora_paths:  # SGLang's forms: NAME=FOLDER, or FOLDER named by its last part
-        name, _, folder = given_path.rpartition("=") if "=" in given_path else (
-            Path(given_path).name, "", given_path)
+    for given in args.lora_paths:  # SGLang's forms: NAME=FOLDER, or FOLDER named by its last part
+        name, named, folder = given.partition("=")
+        if not named:
+            name, folder = Path(given).name, given
         if not name or not folder or name in adapters:
-            raise StartupError(f"relax-gym serve --lora-paths: {given_path!r}: give NAME=FOLDER, each NAME once")
+            raise StartupError(f"relax-gym serve --lora-paths: {given!r}: give NAME=FOLDER, each NAME once")
         adapters[name] = folder
     serve(args.model, host=args.host, port=args.port, device=args.device, api_key_file=args.api_key_file,
           limits=limits, adapters=adapters)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from relax_gym.engines.base import Engine
+from relax_gym.engines.pushed_adapters import KEEP_ADAPTERS
 from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 
 if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is the one made
@@ -59,7 +60,7 @@ def make_engine(loaded: Any, settings: EngineSettings, *, seed: int = 0,
     server after `MEMBER_OUTAGE_TIMEOUT_S` / `MEMBER_RETRIES` so the router fails over fast), or the embedded
     engine over `loaded` (its worker thread placed by `placement`, its model moved to `engine_device`).
     `lora` (rank, adapters kept): a run that pushes LoRA adapters, which vLLM and SGLang servers load by name."""
-    keep = lora[1] if lora is not None else 2
+    keep = lora[1] if lora is not None else KEEP_ADAPTERS
     if settings.engine == "vllm":
         from relax_gym.engines.vllm import vllm_engine
 

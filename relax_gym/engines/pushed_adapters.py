@@ -11,10 +11,19 @@ a request of the oldest version it may still train on finishes on its own adapte
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import re
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PushedAdapters", "adapter_name"]
+from relax_gym.engines.base import RequestError
+
+__all__ = ["KEEP_ADAPTERS", "PushedAdapters", "adapter_name"]
+
+#: adapters kept loaded where no run says (a run: `max_staleness + 1`, its default 1 + 1)
+KEEP_ADAPTERS = 2
+#: how SGLang ("... because it is already loaded") and vLLM ("... has already been loaded") refuse a name they hold
+ALREADY_LOADED = re.compile(r"already (been )?loaded")
 
 
 def adapter_name(folder: str | Path, version: int) -> str:
@@ -38,10 +47,21 @@ class PushedAdapters:
         """The adapter a request starting now runs on, or None before the first push."""
         return self.loaded[-1] if self.loaded else None
 
-    def pushed(self, name: str, version: int) -> list[str]:
-        """Records that `name` of `version` is loaded (a name loaded again, after a resume, moves to the end);
-        returns the names now past `keep`, to unload, oldest first."""
+    async def load(self, request: Callable[[str, str, dict[str, Any]], Awaitable[Any]], folder: Path, version: int,
+                   *, load_route: str, unload_route: str) -> None:
+        """Loads the adapter folder of `version` under its name through the client's `request` and the server's
+        `load_route` (a name the server still holds, from before a resume, is unloaded and loaded again), then
+        unloads the loaded ones past `keep`, oldest first. Both servers take the same bodies."""
+        name = adapter_name(folder, version)
+        payload = {"lora_name": name, "lora_path": str(folder)}
+        try:
+            await request("POST", load_route, payload)
+        except RequestError as err:
+            if not ALREADY_LOADED.search(str(err)):
+                raise
+            await request("POST", unload_route, {"lora_name": name})
+            await request("POST", load_route, payload)
         self.loaded = [(n, v) for n, v in self.loaded if n != name] + [(name, version)]
-        stale = self.loaded[: max(0, len(self.loaded) - self.keep)]
-        self.loaded = self.loaded[len(stale):]
-        return [n for n, _ in stale]
+        stale, self.loaded = self.loaded[: max(0, len(self.loaded) - self.keep)], self.loaded[-self.keep:]
+        for old, _ in stale:
+            await request("POST", unload_route, {"lora_name": old})

@@ -4,11 +4,11 @@ serving: what SGLang's and vLLM's `--enable-lora` do), through peft.
 peft injects each loaded adapter's layers beside the base layer it adapts and leaves the base weights as they
 were; a LoRA layer given `adapter_names` (one per batch row; `BASE` for none) adds to each row only its own
 adapter's update, unmerged (peft's mixed-adapter batches). `rows` hands every LoRA layer those names for the
-forwards inside it, through forward pre-hooks of our own on peft's public `LoraLayer`: peft's own context takes
-one list for every forward, while the engine's forwards differ in size (a prompt prefix shared by a group runs
-once, identical prompts once). A batch all of one adapter runs on peft's active adapter instead, with no
-per-row gather (SmolLM2, 16 rows, one decode forward: base 89 ms, one adapter active 113 ms, the same rows named
-one by one 135 ms; `benchmarks/embedded_lora.py`).
+forwards inside it, through a forward pre-hook of our own on each of peft's public `LoraLayer`s, put on once as the
+layer appears: peft's own context hooks every layer again per call and takes one list for every forward, while the
+engine's forwards differ in size (a prompt prefix shared by a group runs once, identical prompts once). A batch
+all of one adapter runs on peft's active adapter instead, with no per-row gather (SmolLM2, 16 rows, one decode
+forward, no cache, on an AMD EPYC: base 89 ms, one adapter active 113 ms, the same rows named one by one 135 ms).
 
 An adapter folder is read only from its safetensors (`adapter_model.safetensors`), never a pickle.
 """
@@ -41,7 +41,9 @@ class ResidentAdapters:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._peft: Any = None  # the PeftModel while any adapter is loaded
-        self._active: str | None = None  # the adapter peft runs every row on when given no names
+        self._hooks: dict[nn.Module, Any] = {}  # each LoRA layer's pre-hook (`_name_rows`), by layer
+        #: the adapter names of the forwards running now (one: every row's), None: peft's active adapter
+        self._names: list[str] | None = None
         #: name -> the folder it was loaded from, in load order
         self.folders: dict[str, str] = {}
 
@@ -88,14 +90,17 @@ class ResidentAdapters:
                                f"layers it lacks): {reason}") from None
         self.model.eval()
         self.folders[name] = str(path)
-        self._active = None  # peft keeps its first adapter active: set again before use
+        from peft.tuners.lora import LoraLayer
+
+        for module in self.model.modules():  # an adapter of other targets brings layers of its own
+            if isinstance(module, LoraLayer) and module not in self._hooks:
+                self._hooks[module] = module.register_forward_pre_hook(self._name_rows, with_kwargs=True)
 
     def unload(self, name: str) -> None:
         """Removes adapter `name`; RequestError naming the loaded ones if there is none of that name."""
         if name not in self.folders:
             raise RequestError(f"lora_name: no adapter named {name!r} is loaded; loaded: {sorted(self.folders)}")
         del self.folders[name]
-        self._active = None
         if self.folders:
             with warnings.catch_warnings():  # "Adapter x was active which is now deleted": nothing is active here
                 warnings.simplefilter("ignore", UserWarning)
@@ -105,6 +110,9 @@ class ResidentAdapters:
 
     def _release(self) -> None:
         """The model without peft's layers, as it was before the first adapter."""
+        for hook in self._hooks.values():
+            hook.remove()
+        self._hooks.clear()
         if self._peft is not None:
             self._peft.base_model.unload()
             self._peft = None
@@ -121,29 +129,25 @@ class ResidentAdapters:
         if not self.folders:
             yield
             return
-        from peft.tuners.lora import LoraLayer
-
         listed: Sequence[str | None] = [names] if isinstance(names, str) or names is None else names
         given = [BASE if n is None else n for n in listed]
-        uniform = len(set(given)) == 1
-        if uniform and given[0] != BASE:  # peft's plain forward on its active adapter
-            if self._active != given[0]:
+        if len(set(given)) == 1 and given[0] != BASE:  # peft's plain forward on its active adapter
+            if self._peft.active_adapter != given[0]:
                 self._peft.base_model.set_adapter(given[0], inference_mode=True)
-                self._active = given[0]
             yield
             return
-        given = given[:1] if uniform else given
-
-        def name_rows(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            rows = args[0].shape[0] if args else kwargs["x"].shape[0]
-            if not uniform and rows != len(given):
-                raise RuntimeError(f"a forward of {rows} rows was given {len(given)} adapter names")
-            return args, {**kwargs, "adapter_names": given * rows if uniform else given}
-
-        hooks = [m.register_forward_pre_hook(name_rows, with_kwargs=True)
-                 for m in self.model.modules() if isinstance(m, LoraLayer)]
+        self._names = given[:1] if len(set(given)) == 1 else given
         try:
             yield
         finally:
-            for hook in hooks:
-                hook.remove()
+            self._names = None
+
+    def _name_rows(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A LoRA layer's pre-hook: the running forward's adapter names as its `adapter_names`, one a row."""
+        names = self._names
+        if names is None:
+            return None
+        rows = (args[0] if args else kwargs["x"]).shape[0]
+        if len(names) > 1 and rows != len(names):
+            raise RuntimeError(f"a forward of {rows} rows was given {len(names)} adapter names")
+        return args, {**kwargs, "adapter_names": names * rows if len(names) == 1 else names}

@@ -74,7 +74,7 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
-from relax_gym.engines.pushed_adapters import PushedAdapters, adapter_name
+from relax_gym.engines.pushed_adapters import KEEP_ADAPTERS, PushedAdapters
 from relax_gym.engines.weight_group import dtype_name
 from relax_gym.models.lora import ADAPTER_CONFIG
 from relax_gym.video import Video, lossless_bytes
@@ -152,7 +152,7 @@ class SGLangEngine(HTTPEngine):
         api_key: str | None = None,
         flush_timeout_s: float = FLUSH_TIMEOUT_S,
         share_tensors: bool | None = None,
-        keep_adapters: int = 2,
+        keep_adapters: int = KEEP_ADAPTERS,
     ) -> None:
         """The connection's settings are `HTTPEngine`'s. `flush_timeout_s` bounds how long `pause` waits for the
         server to be idle. `share_tensors` (default: whether `base_url` is loopback) sends state dicts as tensors
@@ -267,8 +267,9 @@ class SGLangEngine(HTTPEngine):
         if request.rid is not None:
             payload["rid"] = request.rid
         pushed = self.adapters.newest if request.adapter is None else None
-        if request.adapter is not None or pushed is not None:  # kept to the end, resumed parts included
-            payload["lora_path"] = request.adapter if pushed is None else pushed[0]
+        lora = pushed[0] if pushed is not None else request.adapter
+        if lora is not None:  # kept to the end, resumed parts included
+            payload["lora_path"] = lora
         if request.return_routed_experts:
             payload["return_routed_experts"] = True
         if request.images:
@@ -361,26 +362,15 @@ class SGLangEngine(HTTPEngine):
 
     async def _load_adapter(self, folder: Path, version: int) -> None:
         """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` (`/load_lora_adapter`) for every later
-        request, then unloads those older than the newest `keep_adapters`. A name still loaded from before a resume is
-        unloaded and loaded again: SGLang refuses a name it has."""
-        name = adapter_name(folder, version)
-        payload = {"lora_name": name, "lora_path": str(folder)}
+        request, then unloads those older than the newest `keep_adapters` (`PushedAdapters.load`)."""
         try:
-            try:
-                await self._request("POST", "/load_lora_adapter", payload)
-            except RequestError as err:
-                if "already loaded" not in str(err):
-                    raise
-                await self._request("POST", "/unload_lora_adapter", {"lora_name": name})
-                await self._request("POST", "/load_lora_adapter", payload)
+            await self.adapters.load(self._request, folder, version, load_route="/load_lora_adapter",
+                                     unload_route="/unload_lora_adapter")
         except RequestError as err:
             if err.status == 404 or "not enabled" in str(err):
                 raise RequestError(f"server at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
             raise
-        stale = self.adapters.pushed(name, version)
         self._version = version
-        for old in stale:
-            await self._request("POST", "/unload_lora_adapter", {"lora_name": old})
 
     async def _update(self, route: str, payload: dict[str, Any], version: int) -> None:
         """One weight route with `version`; the server must say it succeeded."""

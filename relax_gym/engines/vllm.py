@@ -61,7 +61,7 @@ from relax_gym.engines.http_engine import (
     start_server,
     version_number,
 )
-from relax_gym.engines.pushed_adapters import PushedAdapters, adapter_name
+from relax_gym.engines.pushed_adapters import KEEP_ADAPTERS, PushedAdapters
 from relax_gym.errors import StartupError
 
 logger = logging.getLogger("relax_gym.engines")
@@ -103,7 +103,7 @@ class VLLMEngine(HTTPEngine):
         max_connections: int | None = None,
         api_key: str | None = None,
         expected_model: str | None = None,
-        keep_adapters: int = 2,
+        keep_adapters: int = KEEP_ADAPTERS,
     ) -> None:
         """`expected_model` (the run's model folder) is checked against what the server serves at `connect()`;
         `keep_adapters`: how many pushed LoRA adapters stay loaded (the newest)."""
@@ -241,18 +241,15 @@ class VLLMEngine(HTTPEngine):
 
     async def _load_adapter(self, folder: Path, version: int) -> None:
         """Loads the PEFT adapter folder as `relax-gym-{run}-v{version}` for every later request, then unloads the
-        adapters older than the newest `keep_adapters`."""
-        name = adapter_name(folder, version)
+        adapters older than the newest `keep_adapters` (`PushedAdapters.load`)."""
         try:
-            await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            await self.adapters.load(self._request, folder, version, load_route="/v1/load_lora_adapter",
+                                     unload_route="/v1/unload_lora_adapter")
         except RequestError as err:
             if err.status == 404:
                 raise RequestError(f"vLLM at {self.base_url} cannot load LoRA adapters: {LORA_HINT}") from None
             raise
-        stale = self.adapters.pushed(name, version)
         self._version = version
-        for old in stale:
-            await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})
 
     async def pause(self) -> None:
         """vLLM's keep mode: nothing is scheduled until `resume`; running requests wait where they are."""
@@ -362,7 +359,7 @@ def vllm_engine(loaded: Any, settings: Any, lora: tuple[int, int] | None = None)
     kept): the clients keep that many pushed adapters loaded, and a server started here loads adapters."""
     from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES, EngineRouter
 
-    keep = lora[1] if lora is not None else 2
+    keep = lora[1] if lora is not None else KEEP_ADAPTERS
     folder = loaded.name if os.path.isdir(loaded.name) else None
     if settings.engine_urls:
         return EngineRouter({url: VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES,
