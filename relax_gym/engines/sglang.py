@@ -225,7 +225,7 @@ class SGLangEngine(HTTPEngine):
     @asynccontextmanager
     async def _weight_session(self) -> AsyncIterator[None]:
         """SGLang 0.5.21+'s weight-update session around one update, closed on every path out of it (a task
-        cancelled while the server was opening it included); nothing for a release without sessions."""
+        cancelled while the server was opening or closing it included); nothing for a release without sessions."""
         if not await self._needs_session():
             yield
             return
@@ -234,24 +234,38 @@ class SGLangEngine(HTTPEngine):
             yield
         except BaseException:
             try:
-                await self._request("POST", "/end_weight_update", {})
+                await self._session_call("/end_weight_update")
             except EngineError as err:  # the update's own error is the one to report
                 logger.warning("server at %s: closing the weight-update session after a failed update failed "
                                "too: %s", self.base_url, err)
             raise
-        self._succeeded("/end_weight_update", await self._request("POST", "/end_weight_update", {}))
+        self._succeeded("/end_weight_update", await self._session_call("/end_weight_update"))
 
     async def _open_session(self) -> None:
         """Opens a weight-update session; one that a killed trainer left open is closed and opened again."""
         try:
-            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
+            self._succeeded("/begin_weight_update", await self._session_call("/begin_weight_update"))
         except RequestError as err:
             if "already open" not in str(err):
                 raise
             logger.warning("server at %s had a weight-update session open (a trainer stopped inside one?): "
                            "closing it and opening a new one", self.base_url)
-            await self._request("POST", "/end_weight_update", {})
-            self._succeeded("/begin_weight_update", await self._request("POST", "/begin_weight_update", {}))
+            await self._session_call("/end_weight_update")
+            self._succeeded("/begin_weight_update", await self._session_call("/begin_weight_update"))
+
+    async def _session_call(self, route: str) -> httpx.Response:
+        """`route` sent and answered even when the caller is cancelled meanwhile (for up to one request's
+        timeout), then the cancellation goes on: a begin or end that a cancellation cut off mid-request could
+        reach the server after the other, or not at all, and leave a session open there for the next update.
+        (A publish that fails on one server cancels the others' updates, which are then closing their sessions.)"""
+        call = asyncio.ensure_future(self._request("POST", route, {}))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is not the caller's
+            await asyncio.wait([call], timeout=self.timeout_s)
+            call.cancel()
+            raise
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """One request; one that a pause aborts (SGLang's abort mode) is sent again from where it stopped, as
