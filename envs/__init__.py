@@ -16,6 +16,7 @@ BUNDLED: dict[str, str] = {
     "relax/Math-v0": "relax_gym.envs.math:MathEnv",
     "relax/MathTool-v0": "relax_gym.envs.math:MathToolEnv",
     "relax/GSM8K-v0": "relax_gym.envs.math:GSM8KEnv",
+    "relax/GSM8KSteps-v0": "relax_gym.envs.gsm8k_steps:GSM8KStepsEnv",
     "relax/DeepEyes-v0": "relax_gym.envs.deepeyes:DeepEyesEnv",
     "relax/AudioQA-v0": "relax_gym.envs.audio_qa:AudioQAEnv",
     "relax/VideoQA-v0": "relax_gym.envs.video_qa:VideoQAEnv",
