@@ -10,7 +10,7 @@ import pytest
 
 import relax_gym
 from relax_gym.envs.datasets import DatasetError, load_records, shipped_path
-from relax_gym.envs.gsm8k_steps import _checked, load_steps, steps_of
+from relax_gym.envs.gsm8k_steps import _checked, arithmetic, load_steps, steps_of
 from relax_gym.models import load_model
 from relax_gym.trajectory import read_jsonl
 
@@ -40,6 +40,9 @@ def test_the_shipped_rows_give_224_training_and_100_held_out_steps_each_answerab
     assert all("?" in s.line and "<<" not in s.line for s in train + test)
     with pytest.raises(DatasetError, match=r"'2\+2' evaluates to 4, not 5"):
         _checked(steps_of({"id": "x", "question": "q", "answer": "2+2=<<2+2=5>>5"})[0], "here")
+    assert arithmetic("(1,000-2^3)/4") == 248.0
+    with pytest.raises(ValueError, match="not arithmetic"):
+        arithmetic("__import__('os').getcwd()")
 
 
 def test_an_episode_runs_the_expression_with_the_tool_then_grades_the_boxed_answer():
