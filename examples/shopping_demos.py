@@ -14,17 +14,13 @@ trained and run with, on training seeds (0..n-1; held-out evals draw theirs from
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import re
 from pathlib import Path
 
-from relax_gym.engines import ScriptedEngine
-from relax_gym.env.registration import resolve_env_id
-from relax_gym.models import LoadedModel, load_model
-from relax_gym.rollout import RolloutLimits, RolloutManager
+from relax_gym.models import LoadedModel
+from relax_gym.rollout import RolloutLimits
+from relax_gym.rollout.demonstrations import demonstrations_cli, play_demonstrations
 from relax_gym.tools import tool_format_for
-from relax_gym.trajectory import write_jsonl
 
 #: the README's tool env, registered by the file beside this one
 ENV = f"{Path(__file__).resolve().parent / 'custom_env.py'}:example/Shopping-v0"
@@ -48,28 +44,12 @@ def replies(loaded: LoadedModel):
     return reply
 
 
+LIMITS = RolloutLimits(max_turns=4, max_total_tokens=2048)
+
+
 async def demonstrations(loaded: LoadedModel, n: int, out: Path) -> int:
-    manager = RolloutManager(ScriptedEngine(loaded, replies(loaded)), loaded,
-                             limits=RolloutLimits(max_turns=4, max_total_tokens=2048))
-    try:
-        played = await manager.run(resolve_env_id(ENV), n, 1)
-    finally:
-        await manager.close()
-    solved = [t for t in played if t.status == "completed" and t.reward == 1.0]
-    return write_jsonl(solved, out)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--chat-template", default=None, help="as `relax-gym sft --chat-template` will get it")
-    parser.add_argument("-n", type=int, default=64)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    loaded = load_model(args.model, chat_template=args.chat_template)
-    written = asyncio.run(demonstrations(loaded, args.n, args.out))
-    print(f"wrote {written} solved demonstrations of {args.n} to {args.out}")
+    return await play_demonstrations(loaded, replies, ENV, n, out, LIMITS)
 
 
 if __name__ == "__main__":
-    main()
+    demonstrations_cli(__doc__, replies, ENV, LIMITS, default_n=64)
