@@ -21,6 +21,8 @@ from relax_gym.trainer.config import load_config
 from relax_gym.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+#: configs whose model is a `relax-gym sft` folder made from SmolLM2 with the chatml-tools template
+LADDER_RL_RUNGS = {"smollm2_shopping", "smollm2_gsm8k_steps"}
 CONFIGS = sorted(p for p in (ROOT / "examples" / "configs").glob("*.yaml") if not p.name.startswith("gpu"))
 
 
@@ -36,7 +38,7 @@ def test_example_config_trains_and_updates_every_parameter(tmp_path, path, reque
     cfg.model.path = str(Path(cfg.model.path).expanduser())
     if not Path(cfg.model.path).is_absolute() and (ROOT / cfg.model.path).is_dir():
         cfg.model.path = str(ROOT / cfg.model.path)
-    if path.stem == "smollm2_shopping":  # the ladder's RL rung starts from its sft rung's folder: from SmolLM2 here,
+    if path.stem in LADDER_RL_RUNGS:  # a ladder's RL rung starts from its sft rung's folder: from SmolLM2 here,
         cfg.model.path, cfg.model.chat_template = str(smollm2), "chatml-tools"  # with the template sft saves
     if qwen_coder is not None:  # where the fixture made it ($RELAX_GYM_MODEL_CACHE may move it from the config's)
         cfg.model.path = str(qwen_coder)
