@@ -106,10 +106,15 @@ class HTTPEngine:
             transport=ShardedTransport(max_connections),  # one httpcore pool is O(n²) in concurrent requests
         )
 
+    #: attributes a pickled client carries over (`__reduce__`)
+    _carried: tuple[str, ...] = ()
+
     def __reduce__(self) -> tuple[Any, ...]:
         """A pickled client is a fresh client of the same server with the same settings (a rollout worker gets
-        its engines' clients this way); its connections and outage state stay with the original."""
-        return (_client_of, (type(self), self.base_url, self._settings))
+        its engines' clients this way), carrying `_carried` (the adapters the server holds, so a worker's copy
+        names the newest); its connections and outage state stay with the original."""
+        return (_client_of, (type(self), self.base_url, self._settings),
+                {name: getattr(self, name) for name in self._carried})
 
     @property
     def weight_version(self) -> int:

@@ -61,7 +61,14 @@ class PushedAdapters:
                 raise
             await request("POST", unload_route, {"lora_name": name})
             await request("POST", load_route, payload)
+        for old in self.note(folder, version):
+            await request("POST", unload_route, {"lora_name": old})
+
+    def note(self, folder: Path, version: int) -> list[str]:
+        """Records that the adapter folder of `version` is loaded under its name, by `load` or by another client of
+        the same server (a cluster's engine fleet loads it; its rollout workers' clients note it, so their requests
+        name it); returns the names past `keep`, oldest first, which requests no longer name."""
+        name = adapter_name(folder, version)
         self.loaded = [(n, v) for n, v in self.loaded if n != name] + [(name, version)]
         stale, self.loaded = self.loaded[: max(0, len(self.loaded) - self.keep)], self.loaded[-self.keep:]
-        for old, _ in stale:
-            await request("POST", unload_route, {"lora_name": old})
+        return [n for n, _ in stale]

@@ -95,7 +95,8 @@ MAX_RESUMES = 16
 FLUSH_TIMEOUT_S = 60.0
 #: how one launches an SGLang server that loads a run's adapters at runtime
 LORA_HINT = ("launch SGLang with --enable-lora --max-lora-rank R (R >= trainer.lora.rank) --lora-target-modules all "
-             "--max-loaded-loras K (K >= trainer.max_staleness + 1); relax-gym serve loads adapters as it is")
+             "--max-loras-per-batch K --max-loaded-loras K+1 (K >= trainer.max_staleness + 1), as `lora_args` "
+             "writes them; relax-gym serve loads adapters as it is")
 #: the oldest SGLang release the client drives (its `sampling_seed` in an int32, abort-mode pauses, `rid`s)
 MIN_SGLANG = (0, 5, 6)
 #: the first SGLang release that loads tensor and distributed updates only inside a weight-update session
@@ -138,6 +139,9 @@ def _paused_abort(body: dict[str, Any]) -> bool:
 
 class SGLangEngine(HTTPEngine):
     """An httpx client of one SGLang(-compatible) server at `base_url`."""
+
+    #: a pickled copy (a rollout worker's) knows the adapters the server holds, so its requests name the newest
+    _carried = ("adapters",)
 
     def __init__(
         self,
@@ -460,6 +464,14 @@ class SGLangEngine(HTTPEngine):
 
 #: a `python -m sglang.launch_server` subprocess
 SGLangServer = ServerProcess
+
+
+def lora_args(rank: int, adapters: int) -> list[str]:
+    """The flags that let an SGLang server load adapters of `rank` on any linear layer at runtime and batch
+    `adapters` of them: a push loads the newest before it unloads the oldest, so one more may be loaded
+    (SGLang also refuses fewer loaded adapters than a batch may hold, whose default is 8)."""
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", "all", "--max-loras-per-batch",
+            str(adapters), "--max-loaded-loras", str(adapters + 1)]
 
 
 def launch_sglang_server(

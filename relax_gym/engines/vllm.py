@@ -91,6 +91,9 @@ def _config_value(config: str, name: str) -> str | None:
 class VLLMEngine(HTTPEngine):
     """An httpx client of one vLLM server at `base_url` (the connection's settings are `HTTPEngine`'s)."""
 
+    #: a pickled copy (a rollout worker's) knows the adapters the server holds, so its requests name the newest
+    _carried = ("adapters",)
+
     def __init__(
         self,
         base_url: str,

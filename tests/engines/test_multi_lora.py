@@ -217,6 +217,48 @@ def test_the_sglang_client_pushes_adapters_by_name_keeps_the_newest_and_reports_
     assert engine.weight_version == 0  # the base never changed
 
 
+def test_a_pickled_client_and_a_noting_one_run_on_the_adapter_another_client_loaded(adapters, merged, tmp_path):
+    """A cluster's way: the fleet's client loads each push; a rollout worker's copy of it (pickled, as Ray sends
+    it) carries the adapters the server holds, and a worker's older client `note`s a later push; both then send
+    the newest as `lora_path`, so their tokens are that adapter's and carry its version."""
+    import pickle
+    import shutil
+
+    engine = EmbeddedEngine(chaotic_model("tiny"))
+    ids = _prompts(merged[None])[0]
+    pushes = {v: shutil.copytree(adapters[name], tmp_path / "run" / "weights" / f"v{v}")
+              for v, name in ((1, "a"), (2, "b"))}
+
+    async def run(url: str) -> tuple:
+        fleet = SGLangEngine(url, api_key=KEY, keep_adapters=2)
+        worker_old = SGLangEngine(url, api_key=KEY, keep_adapters=2)
+        try:
+            await fleet.connect()
+            await fleet.update_weights(str(pushes[1]), 1)
+            worker_new = pickle.loads(pickle.dumps(fleet))  # a worker that learns of the engine now
+            await fleet.update_weights(str(pushes[2]), 2)
+            worker_old.adapters.note(pushes[1], 1)
+            worker_old.adapters.note(pushes[2], 2)  # what `RolloutWorker.adopt_adapter` does on each push
+            try:
+                return (await worker_new.generate(GenerateRequest(ids, GREEDY)),
+                        await worker_old.generate(GenerateRequest(ids, GREEDY)))
+            finally:
+                await worker_new.close()
+        finally:
+            await fleet.close()
+            await worker_old.close()
+
+    try:
+        with serving_app(sglang_app(engine, api_key=KEY, model_path="tiny")) as url:
+            on_first, on_second = asyncio.run(run(url))
+    finally:
+        asyncio.run(engine.close())
+    for out, version, name in ((on_first, 1, "a"), (on_second, 2, "b")):
+        assert out.weight_version == version and set(out.versions()) == {version}
+        judged = teacher_forced(merged[name], GenerateRequest(ids, GREEDY), out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), judged, atol=1e-4)
+
+
 def test_two_runs_push_to_one_server_under_their_own_names_and_each_runs_on_its_own(adapters, merged, tmp_path):
     """Two LoRA runs share a server: each one's pushes (from its own weights folder) load under names of its own,
     so the same version of the other run replaces nothing, and each run's requests are its own adapter's."""

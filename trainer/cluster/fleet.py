@@ -22,6 +22,7 @@ import ray
 import torch
 
 from relax_gym.engines.base import Engine, EngineError
+from relax_gym.engines.pushed_adapters import KEEP_ADAPTERS
 from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.engines.vllm import VLLMEngine
@@ -29,7 +30,7 @@ from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
-from relax_gym.trainer.cluster.roles import EngineService, ServerSupervisor
+from relax_gym.trainer.cluster.roles import EngineService, ServerSupervisor, pushed_adapters
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
 from relax_gym.trainer.config import TrainConfig
 
@@ -101,6 +102,8 @@ class ActorFleet:
         self.api_key = api_key
         #: the disk strategy's folders, oldest first (the newest is what a joining engine loads)
         self.folders: deque[Path] = deque()
+        #: the run's LoRA adapters each server keeps loaded, where pushes are adapters (`pushed_adapters`)
+        self.keep_adapters = adapters[1] if (adapters := pushed_adapters(cfg)) else KEEP_ADAPTERS
         #: the distributed strategy: broadcasts the trainer's weights to these servers (their HTTP clients, each
         #: with its own key; alone: to a joining one through a group of its own), returning the version sent
         self.distribute = distribute
@@ -159,7 +162,7 @@ class ActorFleet:
                 await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
                 if slot.kind in ("serve", "sglang", "vllm"):
                     slot.url = await call(slot.actor.serve_http, self._host(), self.api_key)
-                    slot.client = member_client(slot.url, self.api_key, slot.kind)
+                    slot.client = member_client(slot.url, self.api_key, slot.kind, self.keep_adapters)
             step = "HEALTH_CHECKING"
             enter("HEALTH_CHECKING")
             if not await asyncio.wait_for(self.probe(slot), self.cluster.health.probe_timeout_s):
@@ -235,7 +238,8 @@ class ActorFleet:
                               restarts=RestartBudget(h.engine_restarts, h.restart_window_s))
         else:
             # its own key: $RELAX_GYM_API_KEY (read here, where the operator set it), never the served engines'
-            slot = EngineSlot(engine_id, "http", None, member_client(url, None, self.cluster.engines.kind),
+            slot = EngineSlot(engine_id, "http", None, member_client(url, None, self.cluster.engines.kind,
+                                                                   self.keep_adapters),
                               "STARTING", initial=False, url=url.rstrip("/"))
         self.slots[engine_id] = slot
         started = time.monotonic()
@@ -389,11 +393,14 @@ class ActorFleet:
                 await slot.client.close()
 
 
-def member_client(url: str, api_key: str | None, kind: str = "sglang") -> SGLangEngine | VLLMEngine:
+def member_client(url: str, api_key: str | None, kind: str = "sglang",
+                  keep_adapters: int = KEEP_ADAPTERS) -> SGLangEngine | VLLMEngine:
     """A router member for an engine server: a short outage budget, so a dead server fails over at once (the
     router's own wait bounds the whole outage). `api_key` None: $RELAX_GYM_API_KEY. A vLLM client for
-    `kind` "vllm" (the run's engines, and servers registered by URL in such a run), else an SGLang one."""
+    `kind` "vllm" (the run's engines, and servers registered by URL in such a run), else an SGLang one;
+    `keep_adapters`: the run's pushed LoRA adapters it keeps loaded."""
     if kind == "vllm":
-        return VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, api_key=api_key)
+        return VLLMEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, api_key=api_key,
+                          keep_adapters=keep_adapters)
     return SGLangEngine(url, outage_timeout_s=MEMBER_OUTAGE_TIMEOUT_S, retries=MEMBER_RETRIES, max_connections=None,
-                        api_key=api_key)
+                        api_key=api_key, keep_adapters=keep_adapters)

@@ -21,6 +21,7 @@ import torch
 
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device, engine_dtype
+from relax_gym.engines.pushed_adapters import PushedAdapters
 from relax_gym.engines.router import EngineRouter
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.env.registration import resolve_env_id
@@ -29,6 +30,16 @@ from relax_gym.rollout.manager import RolloutManager, settle_heap
 from relax_gym.trainer.backends.forwarding import answer
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trajectory import Trajectory
+
+
+def pushed_adapters(cfg: TrainConfig) -> tuple[int, int] | None:
+    """(rank, adapters kept) where a cluster run pushes its LoRA adapter alone, loaded by name: to the vLLM or SGLang
+    servers its engine actors start, by disk; None where it pushes weights (embedded engines take the merged
+    adapted layers, which decode faster than unmerged ones). It keeps `max_staleness + 1`, as one process does."""
+    c, lora = cfg.cluster, cfg.trainer.lora
+    if lora is None or c is None or c.engines.kind not in ("vllm", "sglang") or c.weight_sync != "disk":
+        return None
+    return lora.rank, cfg.trainer.max_staleness + 1
 
 
 class Progress:
@@ -150,6 +161,7 @@ class ServerSupervisor:
         """Starts the server on a free port of `host` and returns its URL once /health answers. The thread that
         starts it stays its parent for its whole life, so the kernel kills it when this actor dies."""
         from relax_gym.engines.sglang import launch_sglang_server
+        from relax_gym.engines.sglang import lora_args as sglang_lora_args
         from relax_gym.engines.vllm import launch_vllm_server, model_folder
         from relax_gym.trainer.policy import load_policy
 
@@ -169,10 +181,12 @@ class ServerSupervisor:
                         model_folder(load_policy(self.cfg))
                     server = launch_vllm_server(folder, port, host=host, api_key=api_key,
                                                 extra=c.args, max_model_len=self.cfg.rollout.max_total_tokens,
-                                                die_with_parent=True)
+                                                die_with_parent=True, lora=pushed_adapters(self.cfg))
                 else:
+                    lora = sglang_lora_args(*adapters) if (adapters := pushed_adapters(self.cfg)) else []
                     server = launch_sglang_server(self.cfg.model.path, port, "--tp-size", str(c.tp), "--api-key",
-                                                  api_key, *c.args, host=host, command=c.launch, die_with_parent=True)
+                                                  api_key, *lora, *c.args, host=host, command=c.launch,
+                                                  die_with_parent=True)
             except BaseException as err:
                 loop.call_soon_threadsafe(started.set_exception, err)
                 return
@@ -238,6 +252,13 @@ class RolloutWorker:
         if epoch > self.epoch:
             self.epoch = epoch
             self.router.set_members(engines)
+
+    def adopt_adapter(self, folder: str, version: int) -> None:
+        """The run's adapter of `version` (its folder), which the fleet has loaded on every engine server: requests
+        starting from now name it, so their tokens carry its version."""
+        for engine in self.router.members.values():
+            if isinstance(adapters := getattr(engine, "adapters", None), PushedAdapters):
+                adapters.note(Path(folder), version)
 
     async def run_group(self, env_id: str, seed: int, group_size: int,
                         env_kwargs: dict[str, Any]) -> list[Trajectory]:
@@ -384,6 +405,16 @@ class TrainerRank:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="relax-gym-publisher", daemon=True).start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def save_adapter(self, folder: str) -> None:
+        """A LoRA run's adapter alone as a PEFT folder (`cluster.weight_sync: disk` to vLLM or SGLang servers,
+        which load it by name): the few MB the adapter holds, not the merged model."""
+        from relax_gym.models.lora import write_adapter
+
+        lora = self.cfg.trainer.lora
+        assert lora is not None
+        write_adapter(Path(folder), self.backend.adapter_state_dict(), lora.spec(), self.loaded.model,
+                      self.loaded.name)
 
     def save_weights(self, folder: str) -> None:
         """The current weights as an HF folder an engine loads (`cluster.weight_sync: disk`). A LoRA run's are its

@@ -33,7 +33,7 @@ from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
 from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, call
-from relax_gym.trainer.cluster.roles import TrainerRank
+from relax_gym.trainer.cluster.roles import TrainerRank, pushed_adapters
 from relax_gym.trainer.cluster.scale import ScaleManager
 from relax_gym.trainer.cluster.workers import WorkerPool
 from relax_gym.trainer.config import TrainConfig
@@ -190,15 +190,19 @@ class ClusterTrainer(Trainer):
         """The trainer rank's weights at its version to every ACTIVE engine, as `cluster.weight_sync` says."""
         version = self.backend.version
         weights: ray.ObjectRef | Path | None = None  # distributed: the trainer rank sends its own
+        adapter = pushed_adapters(self.cfg) is not None  # the adapter alone, which the servers load by name
         if self.cluster.weight_sync == "disk":
             weights = self.run_dir / "weights" / f"v{version}"
+            save = self._trainer_actor.save_adapter if adapter else self._trainer_actor.save_weights
             try:
-                await call(self._trainer_actor.save_weights, str(weights))
+                await call(save, str(weights))
             except ACTOR_GONE as err:
                 raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
         elif self.cluster.weight_sync == "object_store":
             weights = await asyncio.to_thread(self.remote.hf_state_dict_ref)
         await self.fleet.publish(weights, version)
+        if adapter:  # the workers' clients of those servers name it from now on
+            await self.workers.adopt_adapter(str(weights), version)
 
     async def _distribute(self, servers: list[Engine], alone: bool) -> int:
         """The trainer rank broadcasts its weights to these engine servers (`weight_sync: distributed`): gloo on

@@ -94,6 +94,12 @@ class WorkerPool:
         await asyncio.gather(*(call(s.actor.set_engines, epoch, members) for s in self.slots.values() if s.alive),
                              return_exceptions=True)  # a dead worker learns them when it is recreated
 
+    async def adopt_adapter(self, folder: str, version: int) -> None:
+        """Every live worker's requests name the run's adapter of `version` from now on (a recreated worker learns
+        it with its engines: the fleet's clients, which loaded it)."""
+        await asyncio.gather(*(call(s.actor.adopt_adapter, folder, version) for s in self.slots.values() if s.alive),
+                             return_exceptions=True)
+
     async def _pick(self) -> WorkerSlot:
         async with self._live:
             await self._live.wait_for(lambda: any(s.alive for s in self.slots.values())
