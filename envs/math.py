@@ -10,7 +10,6 @@ run Python in the sandbox first. Both write the same four hooks, shared in `Math
 
 from __future__ import annotations
 
-import threading
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from relax_gym.env.tool_env import ToolEnv
 from relax_gym.envs.datasets import DatasetError, load_records, pick, require_gold, shipped_path
 from relax_gym.messages import Message, message
 from relax_gym.rewards import AnswerFormat, RewardResult, math_reward
-from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxFallbackWarning, container_unavailable
+from relax_gym.sandbox import SandboxConfig, SandboxFallbackWarning, container_unavailable, shared_sandbox
 from relax_gym.tools import ParsedTurn, ToolCall, tool
 from relax_gym.tools.parser import code_blocks
 
@@ -241,8 +240,6 @@ class MathToolEnv(MathHooks, ToolEnv):
         self.answer_format = _check_answer_format(answer_format)
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
-        self._sandbox: Sandbox | None = None
-        self._sandbox_lock = threading.Lock()
 
     @tool(concurrent=True)  # each run is a fresh container or temp dir, and Sandbox is thread-safe
     def python(self, code: str) -> str:
@@ -251,11 +248,9 @@ class MathToolEnv(MathHooks, ToolEnv):
         Args:
             code: Python source to run as a script; use print() to see values.
         """
-        with self._sandbox_lock:  # made on first use: an episode that never calls the tool needs no engine
-            if self._sandbox is None:
-                self._sandbox = Sandbox(self.sandbox_config)
-            sandbox = self._sandbox
-        return sandbox.run(code).summary()
+        # the process's sandbox for this config, made on first use (an episode that never calls the tool needs no
+        # engine) and shared by every episode's env
+        return shared_sandbox(self.sandbox_config).run(code).summary()
 
     def parse_reply(self, action: str) -> ParsedTurn:
         """With `code_fences`, a reply with no tool call and no \\boxed{} answer whose content has a closed
@@ -273,14 +268,6 @@ class MathToolEnv(MathHooks, ToolEnv):
     def scripted_actions(self) -> list[str]:
         """The `ScriptedEnv` hook (`relax-gym check`, benchmarks/env_step.py): a `python` call, then an answer."""
         return [self.tool_format.write_calls([("python", {"code": "print(6*7)"})]), "\\boxed{42}"]
-
-    def close(self) -> None:
-        with self._sandbox_lock:
-            sandbox, self._sandbox = self._sandbox, None
-        if sandbox is not None:
-            sandbox.close()
-        super().close()
-
 
 class GSM8KEnv(MathToolEnv):
     """GSM8K word problems (100 rows of its test split, MIT; docs/envs.md) with the sandboxed `python` tool.

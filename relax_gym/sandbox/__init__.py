@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import warnings
 
 from relax_gym.sandbox.config import SandboxConfig
@@ -28,6 +29,7 @@ __all__ = [
     "SandboxFallbackWarning",
     "SandboxUnavailableError",
     "container_unavailable",
+    "shared_sandbox",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,3 +112,19 @@ class Sandbox:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_shared: dict[SandboxConfig, Sandbox] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_sandbox(config: SandboxConfig) -> Sandbox:
+    """The process's one `Sandbox` for `config`, made on first use and never closed by its users. The envs of many
+    concurrent episodes share it: the engine is connected to and its seccomp profile probed (a container) once,
+    not once per episode, and their runs share the backend's cap on containers at once (32 envs each making their
+    own flooded podman until its pings timed out)."""
+    with _shared_lock:
+        sandbox = _shared.get(config)
+        if sandbox is None:
+            sandbox = _shared[config] = Sandbox(config)
+        return sandbox

@@ -36,6 +36,9 @@ _GRACE_S = 15.0
 # Connections kept per client: each concurrent run holds one stream and makes
 # control calls, and urllib3 discards (and logs) connections past its pool size.
 _POOL_SIZE = 64
+# Containers one backend runs at once; more runs wait their turn (the wait is not part of a run's time limit): an
+# engine starting dozens at once on a small machine took longer than the limit to start each (podman 4.3, 2 cores).
+_MAX_RUNNING = 2 * (os.cpu_count() or 1)
 
 # The code (and stdin) go in as files, put with put_archive into the created
 # container's own layer before it starts, then run from there. Not `python3 -c
@@ -121,6 +124,7 @@ class ContainerBackend:
 
     def __init__(self, config: SandboxConfig) -> None:
         self._config = config
+        self._running = threading.BoundedSemaphore(_MAX_RUNNING)
         self.url, version = _connect(config)
         self._client = docker.DockerClient(
             base_url=self.url, version=version, timeout=_API_TIMEOUT_S, max_pool_size=_POOL_SIZE
@@ -209,19 +213,20 @@ class ContainerBackend:
         return self._run(code, timeout_s, stdin or "", self._create_kwargs)
 
     def _run(self, code: str, timeout_s: float, stdin: str, create_kwargs: dict) -> ExecResult:
-        started = time.monotonic()
-        try:
-            container = self._client.containers.create(self._config.image, _COMMAND, **create_kwargs)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
-            raise SandboxError(f"could not create a sandbox container: {exc}") from exc
-        try:
-            # The SDK inspects what it created: the engine must have kept the profile it was given.
-            _check_seccomp(container, create_kwargs["security_opt"])
-            output, exit_code, timed_out, killed = self._execute(container, code, stdin, timeout_s)
-        except (docker.errors.DockerException, requests.RequestException) as exc:
-            raise SandboxError(f"sandbox container failed: {exc}") from exc
-        finally:
-            _remove(container)
+        with self._running:
+            started = time.monotonic()
+            try:
+                container = self._client.containers.create(self._config.image, _COMMAND, **create_kwargs)
+            except (docker.errors.DockerException, requests.RequestException) as exc:
+                raise SandboxError(f"could not create a sandbox container: {exc}") from exc
+            try:
+                # The SDK inspects what it created: the engine must have kept the profile it was given.
+                _check_seccomp(container, create_kwargs["security_opt"])
+                output, exit_code, timed_out, killed = self._execute(container, code, stdin, timeout_s)
+            except (docker.errors.DockerException, requests.RequestException) as exc:
+                raise SandboxError(f"sandbox container failed: {exc}") from exc
+            finally:
+                _remove(container)
         return ExecResult(
             stdout=output.stdout,
             stderr=output.stderr,

@@ -25,7 +25,9 @@ def test_freed_blocks_go_back_to_the_os_only_when_many_are_free():
     del blocks
     free = free_heap_bytes()
     assert free is not None and free > 300 * 2**20
-    assert not release_free_memory(above=free)  # not past the bound: left alone
+    # not past the bound: left alone (the bound has a margin: other threads of a long suite free memory meanwhile,
+    # which once took free heap past a bound of exactly `free`)
+    assert not release_free_memory(above=free + 64 * 2**20)
     before = _rss_mb()
     assert release_free_memory(above=200 * 2**20)
     assert _rss_mb() < before - 200, (before, _rss_mb())
