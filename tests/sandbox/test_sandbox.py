@@ -28,6 +28,7 @@ from relax_gym.sandbox import (
     SandboxConfig,
     SandboxFallbackWarning,
     SandboxUnavailableError,
+    shared_sandbox,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -416,3 +417,16 @@ def test_summary_trims_long_output() -> None:
     summary = result.summary(max_chars=300)
     assert summary.startswith("exit code: 0") and summary.rstrip().endswith("END")
     assert "chars omitted" in summary and len(summary) < 500
+
+
+def test_envs_share_one_sandbox_per_config_and_a_math_env_runs_its_code_in_it():
+    """Many episodes' envs, one sandbox: the engine is probed once per config in a process, not once per episode."""
+    from relax_gym.envs.math import MathToolEnv
+
+    config = SandboxConfig(timeout_s=7.0)
+    sandbox = shared_sandbox(config)
+    assert shared_sandbox(SandboxConfig(timeout_s=7.0)) is sandbox
+    assert shared_sandbox(SandboxConfig(timeout_s=6.0)) is not sandbox
+    envs = [MathToolEnv(sandbox_timeout_s=7.0) for _ in range(2)]
+    assert all(env.sandbox_config == config for env in envs)
+    assert [env.python("print(6 * 7)") for env in envs] == [sandbox.run("print(6 * 7)").summary()] * 2
