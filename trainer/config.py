@@ -190,6 +190,11 @@ class TrainerSection(StrictSection):
                                      "torch): checkpoints are PEFT adapter folders, engines get the merged layers; "
                                      "absent, every weight trains")
 
+    def served_adapters(self) -> tuple[int, int] | None:
+        """(rank, adapters kept) on a server that loads the run's LoRA adapters by name: `max_staleness + 1` kept, so
+        a request of the oldest version a step may still train finishes on its own adapter; None without `lora`."""
+        return (self.lora.rank, self.max_staleness + 1) if self.lora is not None else None
+
 
 class TrainConfig(StrictSection):
     run_dir: str = Field("runs/default", description="the run's folder: its config.yaml, metrics.jsonl, "

@@ -206,8 +206,8 @@ class Trainer:
         """The engine, the training backend and the rollout manager, all in this process (`ClusterTrainer`
         makes them Ray actors instead)."""
         cfg, r = self.cfg, self.cfg.rollout
-        lora = (cfg.trainer.lora.rank, cfg.trainer.max_staleness + 1) if cfg.trainer.lora is not None else None
-        self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement(), lora=lora)
+        self.engine = make_engine(self.loaded, r, seed=cfg.seed, placement=cfg.cpu.engine.placement(),
+                                  lora=cfg.trainer.served_adapters())
         self.backend: TrainBackend
         if cfg.trainer.own_process:
             from relax_gym.trainer.backends.process import ProcessBackend

@@ -154,7 +154,7 @@ def test_sft_on_its_own_right_answers_teaches_it_two_digit_addition(smollm2, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # about 11 minutes on an AMD EPYC's 2 cores (sft 100 s, then 10 steps and two evals 560 s)
+@pytest.mark.timeout(1500)  # 584-625 s on an AMD EPYC's 2 cores (sft about 100 s, the 10 steps and two evals 560 s)
 def test_sft_then_lora_grpo_teach_it_gsm8k_steps_with_the_python_tool_it_never_calls(smollm2, tmp_path, capsys):
     """Agentic learning on real data, on a laptop: docs/training.md's ladder on `relax/GSM8KSteps-v0` (a calculator
     step of a real GSM8K walkthrough, worked out with the sandboxed python tool, answered in \\boxed{}), with the

@@ -35,11 +35,11 @@ from relax_gym.trajectory import Trajectory
 def pushed_adapters(cfg: TrainConfig) -> tuple[int, int] | None:
     """(rank, adapters kept) where a cluster run pushes its LoRA adapter alone, loaded by name: to the vLLM or SGLang
     servers its engine actors start, by disk; None where it pushes weights (embedded engines take the merged
-    adapted layers, which decode faster than unmerged ones). It keeps `max_staleness + 1`, as one process does."""
-    c, lora = cfg.cluster, cfg.trainer.lora
-    if lora is None or c is None or c.engines.kind not in ("vllm", "sglang") or c.weight_sync != "disk":
+    adapted layers, which decode faster than unmerged ones)."""
+    c = cfg.cluster
+    if c is None or c.engines.kind not in ("vllm", "sglang") or c.weight_sync != "disk":
         return None
-    return lora.rank, cfg.trainer.max_staleness + 1
+    return cfg.trainer.served_adapters()
 
 
 class Progress:
