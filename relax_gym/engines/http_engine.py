@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -189,13 +191,23 @@ class HTTPEngine:
             self._outages += 1
 
 
-def kill_with_parent() -> None:
-    """In a server's child process before exec: SIGKILL when the parent thread ends (prctl PR_SET_PDEATHSIG), so
-    a launched server never outlives the actor or run that started it."""
-    import ctypes
-    import signal
+# Asks the kernel for SIGKILL when the thread that started it ends (prctl PR_SET_PDEATHSIG, which survives
+# exec), leaves at once if that parent is already gone, then becomes the server. A launcher rather than a
+# preexec_fn: Python code between fork and exec (here a dlopen) can deadlock the child of a process with
+# threads, a Ray actor's gRPC ones among them, and Popen then waits for that child's exec forever.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+def kill_with_parent(command: Sequence[str]) -> list[str]:
+    """`command` run so that it is SIGKILLed when the thread that started it ends: a launched server never
+    outlives the actor or run that started it."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 @dataclass
@@ -230,8 +242,8 @@ def start_server(command: Sequence[str], url: str, name: str, *, timeout_s: floa
     """Runs `command` (its log to a temp file) and waits until `url`/health answers 200; an EngineError quoting
     the log's tail if it exits or stays unhealthy for `timeout_s`. `die_with_parent`: `kill_with_parent`."""
     with tempfile.NamedTemporaryFile(prefix=f"{name.split()[0].lower()}-", suffix=".log", delete=False) as log:
-        process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                   preexec_fn=kill_with_parent if die_with_parent else None)
+        argv = kill_with_parent(command) if die_with_parent else list(command)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     server = ServerProcess(process, url, Path(log.name))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

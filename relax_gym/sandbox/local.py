@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from relax_gym.sandbox.config import SandboxConfig
@@ -61,14 +60,13 @@ class SubprocessBackend:
             with (
                 stdin_file.open("rb") as stdin_fh,
                 subprocess.Popen(
-                    [sys.executable, "-I", "-u", str(script)],
+                    _limited_command(_limits(self._config, timeout_s), script),
                     stdin=stdin_fh,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     cwd=workdir,
                     env=_clean_env(workdir),
                     start_new_session=True,
-                    preexec_fn=_limiter(self._config, timeout_s),
                 ) as proc,
             ):
                 timed_out = _read_until_done(proc, output, started + timeout_s)
@@ -97,13 +95,8 @@ def _clean_env(workdir: str) -> dict[str, str]:
     return {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
 
 
-def _limiter(config: SandboxConfig, timeout_s: float) -> Callable[[], None]:
-    """The preexec function that sets the rlimits in the child, between fork and exec.
-
-    Everything is computed here, in the parent: the child only calls
-    setrlimit, which takes no lock that another thread of the parent could
-    have held at fork time (preexec functions must not).
-    """
+def _limits(config: SandboxConfig, timeout_s: float) -> list[tuple[int, int]]:
+    """The rlimits of one run, as (resource, value) pairs; soft and hard are set alike."""
     mib = 1024 * 1024
     limits = [
         (resource.RLIMIT_AS, config.memory_mb * mib),
@@ -113,12 +106,26 @@ def _limiter(config: SandboxConfig, timeout_s: float) -> Callable[[], None]:
     ]
     if os.geteuid() != 0 and hasattr(resource, "RLIMIT_NPROC"):
         limits.append((resource.RLIMIT_NPROC, _user_process_count() + config.pids))
+    return limits
 
-    def set_limits() -> None:
-        for which, value in limits:
-            resource.setrlimit(which, (value, value))
 
-    return set_limits
+# Sets the limits on itself, then becomes the run (rlimits survive exec). The limits are set by a
+# launcher, not by a preexec_fn: Python code between fork and exec in a process with threads (Ray's
+# gRPC, torch's pools, the caller's own ThreadPoolExecutor) can deadlock the child, and the parent
+# then waits for its exec forever; without a preexec_fn, subprocess uses vfork and runs no fork
+# handlers, which is also faster from a parent of several GB.
+_LAUNCHER = (
+    "import os, resource, sys\n"
+    "for spec in sys.argv[1].split(','):\n"
+    "    which, value = map(int, spec.split(':'))\n"
+    "    resource.setrlimit(which, (value, value))\n"
+    "os.execv(sys.executable, [sys.executable, '-I', '-u', sys.argv[2]])\n"
+)
+
+
+def _limited_command(limits: list[tuple[int, int]], script: Path) -> list[str]:
+    specs = ",".join(f"{which}:{value}" for which, value in limits)
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, specs, str(script)]
 
 
 def _user_process_count() -> int:
