@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,33 @@ from relax_gym.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+#: How long a test may outlive its pytest-timeout deadline before the watchdog below ends the suite.
+HANG_GRACE_S = 120.0
+_WATCHDOG_FD = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The watchdog's stacks go to the terminal's stderr, not to a test's captured one, which dies with the process.
+    config.stash[_WATCHDOG_FD] = os.dup(sys.stderr.fileno())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Every test has a deadline (its `timeout` mark, else pyproject's `timeout`), which pytest-timeout enforces
+    by raising in the main thread once. When that cannot end it (the exception's way out joins a stuck thread,
+    or C code never returns), this watchdog prints every thread's stack and ends the suite with exit code 1
+    HANG_GRACE_S later: a hang is then a named failure with its stacks, not CI's limit killing a silent run."""
+    marker = item.get_closest_marker("timeout")
+    marked = (marker.args[0] if marker.args else marker.kwargs.get("timeout")) if marker else None
+    deadline = float(marked if marked is not None else item.config.getini("timeout") or 0)
+    if deadline <= 0:
+        return (yield)
+    faulthandler.dump_traceback_later(deadline + HANG_GRACE_S, file=item.config.stash[_WATCHDOG_FD], exit=True)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
