@@ -79,3 +79,20 @@ def test_an_in_process_run_never_imports_ray(tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=280)
     assert done.returncode == 0 and "no ray" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_call_that_could_not_fetch_its_argument_is_told_from_the_role_dying():
+    # Ray's own errors, as a role's call raises them: the weights' maker gone (a task error whose cause is that
+    # actor's) is not the engine's death, which is an actor error of its own
+    pytest.importorskip("ray")
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, RayTaskError
+
+    from relax_gym.trainer.cluster.ray_handles import source_lost
+
+    def task_error(cause: Exception) -> Exception:
+        return RayTaskError("EngineService.update_weights", "Traceback ...", cause).as_instanceof_cause()
+
+    assert source_lost(task_error(ActorUnavailableError("the trainer rank is unavailable", b"\0" * 16)))
+    assert source_lost(task_error(ObjectLostError("0" * 56, "owner", "call site")))
+    assert not source_lost(ActorDiedError())  # the engine itself
+    assert not source_lost(task_error(ValueError("a bad weight name")))

@@ -28,8 +28,8 @@ from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.config import ClusterSection
-from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
-from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, call
+from relax_gym.trainer.cluster.placement import bundle, in_group, nodes_of, release, reserve, settled
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, WeightsLost, call, source_lost
 from relax_gym.trainer.cluster.roles import EngineService, ServerSupervisor, pushed_adapters
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
 from relax_gym.trainer.config import TrainConfig
@@ -169,16 +169,7 @@ class ActorFleet:
                 raise EngineStartError("its probe failed")
             step = "WEIGHT_SYNCING"
             enter("WEIGHT_SYNCING")
-            async with self.lock:  # no publication slips past: the engine gets exactly the published version
-                if self.published is None:
-                    slot.version = self.published_version  # nothing published yet: the initial weights
-                elif self.distribute is not None:
-                    assert slot.client is not None
-                    slot.version = await self.distribute([slot.client], True)
-                else:
-                    slot.version = await self._load(slot, self.published, self.published_version)
-                enter("ACTIVE")
-                await self._changed()
+            await asyncio.wait_for(self._sync(slot, enter), START_TIMEOUT_S)
         except asyncio.CancelledError:
             self._end(slot)
             slot.state = "DEAD"
@@ -188,6 +179,30 @@ class ActorFleet:
             slot.state = "DEAD"
             why = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
             raise EngineStartError(f"engine {slot.engine_id} failed at {step}: {why}") from None
+
+    async def _sync(self, slot: EngineSlot, enter: Callable[[EngineState], None]) -> None:
+        """The published weights into a starting engine, then ACTIVE. If they cannot be fetched (their trainer
+        rank's node is gone), it waits for the next publication, which the restarted trainer makes."""
+        while True:
+            async with self.lock:  # no publication slips past: the engine gets exactly the published version
+                published = self.published
+                try:
+                    if published is None:
+                        slot.version = self.published_version  # nothing published yet: the initial weights
+                    elif self.distribute is not None:
+                        assert slot.client is not None
+                        slot.version = await self.distribute([slot.client], True)
+                    else:
+                        slot.version = await self._load(slot, published, self.published_version)
+                except Exception as err:
+                    if not source_lost(err):
+                        raise
+                else:
+                    enter("ACTIVE")
+                    await self._changed()
+                    return
+            while self.published is published:
+                await asyncio.sleep(0.1)
 
     def _host(self) -> str:
         """Where served engines listen: the configured host, else loopback on a local cluster and this node's
@@ -284,15 +299,15 @@ class ActorFleet:
                         note="restart budget spent")
             return False
         delay = min(2.0 ** (slot.restarts.in_window - 1) - 1, 30.0)  # 0, 1, 3, 7 ... s
-        await asyncio.sleep(delay)
         started = time.monotonic()
+        await asyncio.gather(asyncio.sleep(delay), settled(nodes_of(slot.group)))  # not onto a node that is going down
         try:
             await self._bring_up(slot, None)
         except EngineStartError as err:
             self._event("engine_restart_failed", engine_id=engine_id, reason=str(err))
             return False
         self._event("engine_restarted", engine_id=engine_id, reason=reason,
-                    time_to_recover_s=round(time.monotonic() - started + delay, 3), version=slot.version)
+                    time_to_recover_s=round(time.monotonic() - started, 3), version=slot.version)
         return True
 
     # --- publishing -------------------------------------------------------------------
@@ -300,7 +315,8 @@ class ActorFleet:
         """`weights` at `version` to every ACTIVE engine: a state dict (or its ObjectRef) goes through the object
         store (one copy for all), a folder is loaded from disk (older folders are pruned, the newest kept for
         joining engines), None means the trainer rank broadcasts its own (`distribute`). Returns how many
-        acknowledged. An engine that fails is DEAD (the health manager replaces it); the others go on."""
+        acknowledged. An engine that fails is DEAD (the health manager replaces it); the others go on. WeightsLost when
+        an engine could not fetch them (their maker's node is gone): nothing is published, no engine is blamed."""
         async with self.lock:
             slots = [s for s in self.slots.values() if s.state == "ACTIVE"]
             published: Any = weights
@@ -316,21 +332,28 @@ class ActorFleet:
                 results = await asyncio.gather(
                     *(asyncio.wait_for(self._load(s, published, version), START_TIMEOUT_S) for s in slots),
                     return_exceptions=True)
-            self.published, self.published_version = published, version
+            # an engine that could not fetch the weights is fine: it keeps what it holds until the trainer is back
+            lost = [r for r in results if isinstance(r, BaseException) and source_lost(r)]
+            if not lost:
+                self.published, self.published_version = published, version
             while len(self.folders) > KEEP_FOLDERS:
                 shutil.rmtree(self.folders.popleft(), ignore_errors=True)
             failed = False
             for slot, result in zip(slots, results, strict=True):
-                if isinstance(result, BaseException):
+                if isinstance(result, BaseException) and not source_lost(result):
                     slot.state = "DEAD"
                     failed = True
                     gone = isinstance(result, ACTOR_GONE)
                     self._event("publish_failed", engine_id=slot.engine_id, version=version,
                                 reason="engine gone" if gone else f"{type(result).__name__}: {result}")
-                else:
+                elif not isinstance(result, BaseException):
                     slot.version = int(result)
             if failed:
                 await self._changed()
+            if lost:
+                cause = getattr(lost[0], "cause", lost[0])
+                raise WeightsLost(f"no engine could fetch the weights of version {version} ({type(cause).__name__}): "
+                                  "the trainer rank's node is gone")
             return sum(not isinstance(r, BaseException) for r in results)
 
     async def _distribute_to(self, slots: list[EngineSlot], version: int) -> list[Any]:

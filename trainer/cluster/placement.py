@@ -10,10 +10,16 @@ reservation: they are SPREAD over the nodes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+#: how long a restart waits for Ray to settle the nodes of its reservation (Ray's own health checks declare a
+#: silent node dead within about 30 s by default)
+SETTLE_TIMEOUT_S = 60.0
 
 
 class PlacementError(RuntimeError):
@@ -53,3 +59,31 @@ def in_group(group: PlacementGroup, index: int = 0) -> dict[str, Any]:
 def release(group: PlacementGroup | None) -> None:
     if group is not None:
         remove_placement_group(group)
+
+
+def nodes_of(group: PlacementGroup | None) -> set[str]:
+    """The ids of the nodes holding `group`'s bundles (none for no group)."""
+    return set(placement_group_table(group).get("bundles_to_node_id", {}).values()) if group is not None else set()
+
+
+async def settled(nodes: Iterable[str], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Returns once each of `nodes` runs a task, or Ray has declared it dead, at most `timeout_s`. A role lost with
+    its node was on a node Ray still counts alive until its health checks fail: a replacement placed there
+    meanwhile (the role's reservation is there, or the scheduler sees free room there) would die with that node,
+    a failed first restart."""
+    await asyncio.gather(*(_answered(node, timeout_s) for node in set(nodes)))
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _here() -> None:
+    """Nothing, on the node it is pinned to: it runs there only if that node answers."""
+
+
+async def _answered(node_id: str, timeout_s: float) -> None:
+    ref = _here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    try:
+        await asyncio.wait_for(ref, timeout_s)
+    except TimeoutError:
+        ray.cancel(ref, force=True)
+    except ray.exceptions.RayError:
+        pass  # the node is gone, and Ray knows it

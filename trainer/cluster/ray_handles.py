@@ -13,13 +13,23 @@ import asyncio
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from relax_gym.engines.base import EngineGoneError, GenerateOutput, GenerateRequest
 from relax_gym.trainer.backends.forwarding import Forwarder
 
 #: what a dead, killed or unreachable actor raises (ActorDiedError, ActorUnavailableError are its subclasses)
 ACTOR_GONE = (RayActorError,)
+
+
+def source_lost(err: BaseException) -> bool:
+    """Whether a role's call failed on an argument it could not fetch (the published weights, whose copy and
+    maker went down with the trainer rank's node) rather than on its own death: the role lives on."""
+    return isinstance(err, RayTaskError) and isinstance(err.cause, (RayActorError, ObjectLostError))
+
+
+class WeightsLost(RuntimeError):
+    """The published weights could not be fetched by any engine: the trainer rank that made them is gone."""
 
 
 class TrainerLost(RuntimeError):

@@ -245,7 +245,9 @@ class RolloutWorker:
         settle_heap()
 
     def ready(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "pid": os.getpid()}
+        import ray  # only ever called in an actor
+
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def set_engines(self, epoch: int, engines: dict[str, Engine]) -> None:
         """The engines routable from now on (an older epoch arriving late is ignored)."""

@@ -31,8 +31,8 @@ from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
-from relax_gym.trainer.cluster.placement import bundle, in_group, release, reserve
-from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, call
+from relax_gym.trainer.cluster.placement import bundle, in_group, nodes_of, release, reserve, settled
+from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, WeightsLost, call
 from relax_gym.trainer.cluster.roles import TrainerRank, pushed_adapters
 from relax_gym.trainer.cluster.scale import ScaleManager
 from relax_gym.trainer.cluster.workers import WorkerPool
@@ -200,7 +200,10 @@ class ClusterTrainer(Trainer):
                 raise TrainerLost(f"the trainer rank's process is gone ({type(err).__name__})") from None
         elif self.cluster.weight_sync == "object_store":
             weights = await asyncio.to_thread(self.remote.hf_state_dict_ref)
-        await self.fleet.publish(weights, version)
+        try:
+            await self.fleet.publish(weights, version)
+        except WeightsLost as err:
+            raise TrainerLost(str(err)) from None
         if adapter:  # the workers' clients of those servers name it from now on
             await self.workers.adopt_adapter(str(weights), version)
 
@@ -276,20 +279,30 @@ class ClusterTrainer(Trainer):
                 await self._restart_trainer(str(err))
 
     async def _restart_trainer(self, reason: str) -> None:
+        """New ranks from the last checkpoint, once Ray has settled the nodes of their reservation; ranks lost
+        while they start (their node went down too) are one more restart each, within the same budget."""
         budget = self.cluster.health.max_trainer_restarts
         lost_at = self.step
-        if self.trainer_restarts >= budget:
-            self._kill_trainer()
-            raise RunStopped(f"the trainer rank was lost at step {lost_at} ({reason}) after {self.trainer_restarts} "
-                             f"restarts (cluster.health.max_trainer_restarts={budget}); the run stopped at its last "
-                             f"checkpoint (step {self.checkpoints.latest_step()}): rerun to resume")
-        self.trainer_restarts += 1
         started = time.perf_counter()
-        self._kill_trainer()
-        self._start_fresh()  # everything after the last checkpoint is forgotten, as a resumed run forgets it
-        await self._start_trainer()
-        if not self.checkpoints.latest_step():  # no checkpoint: the engines go back to the initial weights
-            await self._publish()
+        while True:
+            if self.trainer_restarts >= budget:
+                self._kill_trainer()
+                raise RunStopped(f"the trainer rank was lost at step {lost_at} ({reason}) after "
+                                 f"{self.trainer_restarts} restarts (cluster.health.max_trainer_restarts={budget}); "
+                                 f"the run stopped at its last checkpoint (step {self.checkpoints.latest_step()}): "
+                                 "rerun to resume")
+            self.trainer_restarts += 1
+            self._kill_trainer()
+            self._start_fresh()  # everything after the last checkpoint is forgotten, as a resumed run forgets it
+            await settled(nodes_of(self._trainer_group))
+            try:
+                await self._start_trainer()
+                if not self.checkpoints.latest_step():  # no checkpoint: the engines go back to the initial weights
+                    await self._publish()
+                break
+            except (TrainerLost, *ACTOR_GONE) as err:
+                self.log.event(self.checkpoints.latest_step(), "trainer_restart_failed", restarts=self.trainer_restarts,
+                               reason=f"a restarted rank was lost as it started ({type(err).__name__})")
         resume_step = self.checkpoints.latest_step()
         self.log.event(resume_step, "trainer_restarted", reason=reason, lost_at_step=lost_at,
                        resumes_from_step=resume_step, restarts=self.trainer_restarts,

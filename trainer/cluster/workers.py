@@ -20,6 +20,7 @@ import ray
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped
 from relax_gym.trainer.cluster.budget import RestartBudget
+from relax_gym.trainer.cluster.placement import settled
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, call
 from relax_gym.trainer.cluster.roles import RolloutWorker
 from relax_gym.trainer.config import TrainConfig
@@ -40,6 +41,7 @@ class WorkerSlot:
     retired: bool = False
     incarnation: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    node_id: str | None = None  # where its current actor runs
 
 
 class WorkerPool:
@@ -71,7 +73,7 @@ class WorkerPool:
 
     async def _bring_up(self, slot: WorkerSlot) -> None:
         try:
-            await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S)
+            slot.node_id = (await asyncio.wait_for(call(slot.actor.ready), START_TIMEOUT_S))["node_id"]
         except TimeoutError:
             raise TimeoutError(f"rollout worker {slot.worker_id} did not start within {START_TIMEOUT_S:g} s") from None
         await call(slot.actor.set_engines, *self._engines())  # as they are now, however long it took to start
@@ -150,19 +152,22 @@ class WorkerPool:
         job.add_done_callback(self._recreating.discard)
 
     async def _recreate(self, slot: WorkerSlot, reason: str) -> None:
+        """A new actor for the slot, tried again (within the budget) if it is lost as it starts."""
         worker_id = slot.worker_id
-        if not slot.restarts.spend():
-            self._event("worker_dead", worker_id=worker_id, reason=reason, note="restart budget spent")
-            await self._retire(slot)
-            return
         started = time.monotonic()
-        slot.actor = self._spawn(worker_id)
-        try:
-            await self._bring_up(slot)
-        except (*ACTOR_GONE, TimeoutError) as err:
-            self._event("worker_restart_failed", worker_id=worker_id, reason=f"{type(err).__name__}: {err}")
-            await self._retire(slot)
-            return
+        while True:
+            if not slot.restarts.spend():
+                self._event("worker_dead", worker_id=worker_id, reason=reason, note="restart budget spent")
+                await self._retire(slot)
+                return
+            await settled([slot.node_id] if slot.node_id else [])  # SPREAD must not choose a node going down
+            slot.actor = self._spawn(worker_id)
+            try:
+                await self._bring_up(slot)
+                break
+            except (*ACTOR_GONE, TimeoutError) as err:
+                self._event("worker_restart_failed", worker_id=worker_id, reason=f"{type(err).__name__}: {err}")
+                ray.kill(slot.actor)
         self._event("worker_restarted", worker_id=worker_id, reason=reason,
                     time_to_recover_s=round(time.monotonic() - started, 3))
 

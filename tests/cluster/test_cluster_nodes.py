@@ -1,0 +1,117 @@
+"""Several Ray nodes for real: Ray's multi-node test cluster (a head and two worker nodes, each its own raylet on
+this machine), joined by address as a user's run joins one (`relax-gym train ... cluster.address=HOST:PORT`), and
+a worker node removed without grace mid-run (its raylet and every process on it SIGKILLed, as a machine that
+loses power).
+
+The removed node is the one holding the trainer rank, so the run loses its trainer, the weights it published
+(their copy lived there) and whatever engine or rollout worker Ray placed beside it. The run must finish every
+step, train each task exactly once, and bring each lost role back on the surviving node at its first try.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+from support.cluster import WARM_START, events, records, trained_tasks  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, GROUPS, GROUP_SIZE = 30, 4, 4
+KILL_AFTER_STEP = 4
+#: the test's own deadline for the run, inside pytest-timeout's: past it, the roles and last events are printed
+RUN_DEADLINE_S = 240
+#: what each role's actor is called in its process title, and the event that says it came back
+RECOVERY = {"TrainerRank": "trainer_restarted", "EngineService": "engine_restarted",
+            "RolloutWorker": "worker_restarted"}
+
+
+@pytest.fixture
+def cluster():
+    """A head with no CPUs for roles (the controller runs there, as on a login node) and two worker nodes with 3
+    logical CPUs each: the run's 5 roles (0.5 CPU each) fit on either node alone once the other is gone."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=3)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+def roles_on(node) -> list[str]:
+    """The role actors running on `node`: the process titles (`ray::Class` or `ray::Class.method`) of its raylet's
+    children."""
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    titles = []
+    for process in raylet.children(recursive=True):
+        try:
+            titles += [arg[5:].split(".")[0] for arg in process.cmdline() if arg.startswith("ray::")]
+        except psutil.Error:
+            continue
+    return sorted(t for t in titles if t in RECOVERY)
+
+
+def overdue(run_dir: Path, log: Path, placed: dict) -> str:
+    """What a run past its deadline was doing: where each role was, its last events and its log's tail."""
+    last = [json.dumps(e) for e in events(run_dir)[-10:]]
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return f"the run did not end within {RUN_DEADLINE_S} s; roles by node: {placed}\nlast events:\n" + "\n".join(
+        last) + f"\nlog tail:\n{tail}"
+
+
+def test_a_run_joined_by_address_survives_losing_the_node_with_its_trainer(cluster, tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    command = [
+        str(Path(sys.executable).parent / "relax-gym"), "train", str(ROOT / "examples/configs/quickstart.yaml"),
+        f"run_dir={run_dir}", f"model={WARM_START}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=4",
+        "trainer.eval_every=0", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={GROUP_SIZE}",
+        "cluster.mode=ray", f"cluster.address={cluster.address}", "cluster.engines.count=2",
+        "cluster.rollout_workers.count=2", "cluster.control.enabled=false", "cluster.health.poll_s=0.2",
+        "cluster.health.stall_s=3", "cluster.health.probe_timeout_s=2",
+    ]
+    nodes = list(cluster.worker_nodes)
+    placed: dict[str, list[str]] = {}
+    lost: list[str] = []
+    with log.open("w") as out:
+        run = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        try:
+            while run.poll() is None:
+                if time.monotonic() > deadline:
+                    pytest.fail(overdue(run_dir, log, placed))
+                if not lost and (run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= KILL_AFTER_STEP:
+                    placed = {n.unique_id[:8]: roles_on(n) for n in nodes}
+                    victim = next(n for n in nodes if "TrainerRank" in roles_on(n))
+                    lost = roles_on(victim)
+                    cluster.remove_node(victim, allow_graceful=False)
+                time.sleep(0.2)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert run.returncode == 0, log.read_text(errors="replace")[-3000:]
+    assert lost, f"the run ended before step {KILL_AFTER_STEP}"
+
+    # the roles were spread as docs/distributed.md says: the rollout workers on different nodes
+    assert all(roles.count("RolloutWorker") == 1 for roles in placed.values()), placed
+    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
+    per_task = trained_tasks(run_dir)
+    assert len(per_task) == STEPS * GROUPS and set(per_task.values()) == {GROUP_SIZE}, per_task
+
+    seen = events(run_dir)
+    kinds = Counter(e["event"] for e in seen)
+    for role, count in Counter(lost).items():
+        assert kinds[RECOVERY[role]] >= count, (role, lost, seen)
+    recoveries = [e for e in seen if e["event"] in RECOVERY.values()]
+    assert all(e["time_to_recover_s"] > 0 for e in recoveries), recoveries
+    assert not [e for e in seen if e["event"].endswith("restart_failed")], seen  # each came back at its first try
