@@ -534,12 +534,23 @@ SEATED_CHECKS: list[tuple[str, Callable[[Callable[[], Env]], str]]] = [
 ]
 
 
+def _construct_failure(err: Exception) -> str:
+    """One line: for an env made without a required argument, which ones to pass (Python's own TypeError names
+    them: "missing 1 required positional argument: 'url'")."""
+    missing = re.search(r"missing \d+ required (?:positional |keyword-only )?arguments?: (.+)$", str(err))
+    if isinstance(err, TypeError) and missing:
+        names = re.findall(r"'(\w+)'", missing.group(1))
+        flags = " ".join(f"--env-arg {name}=VALUE" for name in names)
+        return f"the env needs {', '.join(names)}: pass {flags} (Python: {err})"
+    return f"{type(err).__name__}: {err}"
+
+
 def run_checks(target: str, make_env: Callable[[], Env]) -> CheckReport:
     report = CheckReport(target)
     try:
         probe = make_env()
     except Exception as err:
-        report.results.append(CheckResult("construct", FAILED, f"{type(err).__name__}: {err}"))
+        report.results.append(CheckResult("construct", FAILED, _construct_failure(err)))
         return report
     if not isinstance(probe, Env):
         report.results.append(CheckResult("is a relax_gym.Env", FAILED, f"got {type(probe).__name__}"))

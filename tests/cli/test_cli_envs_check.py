@@ -89,6 +89,13 @@ def test_check_bad_env_arg_is_one_line_and_exit_2(capsys, target, pair, needle):
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
 
 
+
+def test_check_of_an_env_that_needs_arguments_names_the_env_arg_to_pass(capsys):
+    # relax/OpenEnv-v0 is made with the URL of an OpenEnv server; without it, one line says what to pass
+    assert main(["check", "relax/OpenEnv-v0"]) == 1
+    out = capsys.readouterr().out
+    assert "construct: the env needs url: pass --env-arg url=VALUE" in out and "Traceback" not in out
+
 # --- `relax-gym rollout` takes the training config's rollout section ----------------------------------------------
 def test_rollout_takes_rollout_settings_after_its_flags(tmp_path, capsys):
     from relax_gym.trajectory import read_jsonl
