@@ -24,6 +24,7 @@ import math
 import re
 import traceback
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +45,14 @@ from relax_gym.env.registration import (
     split_env_target,
 )
 from relax_gym.env.seats import SeatedGame
-from relax_gym.messages import MessageError, modalities, validate_messages
+from relax_gym.messages import MessageError, modalities, text_content, validate_messages
 from relax_gym.tools.formats import HERMES, ToolCallFormat
 
 N_SEEDS = 3
 RANDOM_EPISODES = 4
 MAX_STEPS = 8
+#: answers drawn from an observation that a seeded replay plays before random text (`observed_answers`)
+MAX_DRAWN = 12
 STATE_SEED = 7
 TOOL_ATTEMPTS = 4  # argument guesses per tool
 
@@ -346,16 +349,43 @@ def _replay(env: Env, actions: list[str], expected: list[tuple], where: str, fir
                                f"episode in its {what}: get_state/set_state misses part of the state")
 
 
-def _playable_actions(env: Env, make_env: Callable[[], Env], seed: int) -> tuple[list[str], str]:
-    """What a check plays after `env.reset(seed=seed)`, and what they are: the env's scripted actions, else calls
-    synthesised from its tool schemas, else its action space's samples under `seed`."""
+def _playable_actions(env: Env, make_env: Callable[[], Env], seed: int, obs: Any = None) -> tuple[list[str], str]:
+    """What a check plays after `env.reset(seed=seed)` (which gave `obs`), and what they are: the env's scripted
+    actions, else calls synthesised from its tool schemas, else answers drawn from `obs`, then its action space's
+    samples under `seed`."""
     actions = scripted_actions(env)
     if actions:
         return actions, "scripted actions"
     if _tool_names(env):
         return synthesised_tool_calls(make_env) * 2, "synthesised tool calls"
     env.action_space.seed(seed)
-    return [env.action_space.sample() for _ in range(MAX_STEPS)], "random actions"
+    drawn = observed_answers(env, obs) if obs is not None else []
+    sampled = [env.action_space.sample() for _ in range(MAX_STEPS if not drawn else 2)]
+    return [*drawn, *sampled], ("answers drawn from the observation and " if drawn else "") + "random actions"
+
+
+def observed_answers(env: Env, obs: Any) -> list[str]:
+    """Answers an env's logic is likely to read, drawn from its first observation: the numbers it shows, then the
+    integers that halve the span between the least and the greatest (a range to guess in) breadth first, then
+    what it quotes (the options it offers); at most MAX_DRAWN. Random text is often answered only "reply with
+    one integer", in every episode alike, so a seed that picks nothing but hidden state (the number to guess)
+    would never show; a guess it can read is answered in a way that does."""
+    try:
+        shown = "\n".join(text_content(m) for m in env.format_observation(obs))
+    except Exception:  # format_observation has a check of its own; here it only offers answers
+        return []
+    numbers = [float(n) for n in _NUMBER.findall(shown)][:4]
+    answers = [f"{n:g}" for n in numbers]
+    if len(numbers) > 1:
+        spans = deque([(min(numbers), max(numbers))])
+        while spans and len(answers) < MAX_DRAWN:
+            low, high = spans.popleft()
+            if high - low > 1:
+                middle = round((low + high) / 2)
+                answers.append(str(middle))
+                spans.extend([(low, middle), (middle, high)])
+    answers += ["".join(groups) for groups in _QUOTED.findall(shown)][:4]
+    return [*dict.fromkeys(answers)][:MAX_DRAWN]
 
 
 def check_state(make_env: Callable[[], Env]) -> str:
@@ -432,9 +462,9 @@ def check_seeded_replay(make_env: Callable[[], Env]) -> str:
             _require(data_equivalence(_rendered(first, obs_a, f"reset(seed={seed})"),
                                       _rendered(second, obs_b, f"reset(seed={seed}) in another env")),
                      f"reset(seed={seed}) in two fresh envs gave different observations")
-            actions, source = _playable_actions(first, make_env, seed)
+            actions, source = _playable_actions(first, make_env, seed, obs_a)
             sources.add(source)
-            for t, action in enumerate(actions[:MAX_STEPS]):
+            for t, action in enumerate(actions[:MAX_STEPS + MAX_DRAWN]):
                 want, got = _outcome(first, first.step(action)), _outcome(second, second.step(action))
                 steps += 1
                 what = _difference(want, got)

@@ -72,6 +72,38 @@ class SeedIgnoringEnv(GoodEnv):
         return ["500", "750", "625"]
 
 
+
+class HiddenGuessEnv(GoodEnv):
+    """The guessing game the issue found passing: its target ignores the seed, it has no scripted actions and no
+    tools, and random text only ever hears "Reply with one integer", alike in every episode. Each guess it can
+    read is answered "higher" or "lower", and that shows the target."""
+
+    made = 0  # envs made so far: the unseeded target, which differs between two fresh envs, as a server's would
+
+    def __init__(self, seeded: bool = False):
+        super().__init__()
+        self.seeded = seeded
+        HiddenGuessEnv.made += 1
+        self.unseeded_target = 1 + HiddenGuessEnv.made * 37 % 100
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.target = int(self.np_random.integers(1, 101)) if self.seeded else self.unseeded_target
+        return [user("I picked an integer between 1 and 100. Guess it.")], {}
+
+    def step(self, action):
+        if not action.strip().isdigit():
+            return [user("Reply with one integer.")], 0.0, False, False, {}
+        guess = int(action)
+        reply = "right" if guess == self.target else ("higher" if guess < self.target else "lower")
+        return [user(reply)], float(guess == self.target), guess == self.target, False, {}
+
+    def get_state(self):
+        return {"target": self.target}
+
+    def set_state(self, state):
+        self.target = state["target"]
+
 class GlobalRandomEnv(GoodEnv):
     """Seeds Python's process-wide RNG at reset and draws from it only when stepped (TextArena's games do the
     first): one env alone replays, two interleaved episodes do not."""
@@ -220,6 +252,14 @@ def test_a_seed_that_picks_only_hidden_state_passes_the_reset_check_and_fails_th
     problems = failed(run_checks("ignores its seed", SeedIgnoringEnv))
     assert set(problems) == {"seeded replay in fresh envs"}, problems
     assert "the seed does not name the whole task" in problems["seeded replay in fresh envs"]
+
+
+def test_a_hidden_target_random_text_never_reaches_is_found_by_answers_drawn_from_the_prompt():
+    problems = failed(run_checks("hidden guess", HiddenGuessEnv))
+    assert "the seed does not name the whole task" in problems["seeded replay in fresh envs"], problems
+    report = run_checks("seeded guess", lambda: HiddenGuessEnv(seeded=True))
+    replay = next(r for r in report.results if r.name == "seeded replay in fresh envs")
+    assert replay.status == PASSED and "answers drawn from the observation" in replay.detail, replay
 
 
 def test_state_kept_outside_the_episode_fails_once_the_tools_are_reached():
