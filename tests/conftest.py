@@ -22,14 +22,15 @@ TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
+from support.watchdog import TERMINAL_FD  # noqa: E402
+
 #: How long a test may outlive its pytest-timeout deadline before the watchdog below ends the suite.
 HANG_GRACE_S = 120.0
-_WATCHDOG_FD = pytest.StashKey[int]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The watchdog's stacks go to the terminal's stderr, not to a test's captured one, which dies with the process.
-    config.stash[_WATCHDOG_FD] = os.dup(sys.stderr.fileno())
+    config.stash[TERMINAL_FD] = os.dup(sys.stderr.fileno())
 
 
 @pytest.hookimpl(wrapper=True)
@@ -43,7 +44,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
     deadline = float(marked if marked is not None else item.config.getini("timeout") or 0)
     if deadline <= 0:
         return (yield)
-    faulthandler.dump_traceback_later(deadline + HANG_GRACE_S, file=item.config.stash[_WATCHDOG_FD], exit=True)
+    faulthandler.dump_traceback_later(deadline + HANG_GRACE_S, file=item.config.stash[TERMINAL_FD], exit=True)
     try:
         return (yield)
     finally:
