@@ -1,7 +1,7 @@
 """Several Ray nodes for real: Ray's multi-node test cluster (a head and two worker nodes, each its own raylet on
-this machine), joined by address as a user's run joins one (`relax-gym train ... cluster.address=HOST:PORT`), and
-a worker node removed without grace mid-run (its raylet and every process on it SIGKILLed, as a machine that
-loses power).
+this machine), the run submitted to it as a user submits one (`ray job submit -- relax-gym train ...
+cluster.address=auto`, docs/distributed.md), and a worker node removed without grace mid-run (its raylet and
+every process on it SIGKILLed, as a machine that loses power).
 
 The removed node is the one holding the trainer rank, so the run loses its trainer, the weights it published
 (their copy lived there) and whatever engine or rollout worker Ray placed beside it. The run must finish every
@@ -11,6 +11,7 @@ step, train each task exactly once, and bring each lost role back on the survivi
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 from support.cluster import WARM_START, events, records, trained_tasks  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -37,11 +39,19 @@ RECOVERY = {"TrainerRank": "trainer_restarted", "EngineService": "engine_restart
             "RolloutWorker": "worker_restarted"}
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture
 def cluster():
-    """A head with no CPUs for roles (the controller runs there, as on a login node) and two worker nodes with 3
-    logical CPUs each: the run's 5 roles (0.5 CPU each) fit on either node alone once the other is gone."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    """A head with no CPUs for roles (the run's driver runs there, as on a login node) and Ray's job server on
+    loopback, and two worker nodes with 3 logical CPUs each: the run's 5 roles (0.5 CPU each) fit on either node
+    alone once the other is gone."""
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()})
     for _ in range(2):
         cluster.add_node(num_cpus=3)
     cluster.wait_for_nodes()
@@ -62,44 +72,45 @@ def roles_on(node) -> list[str]:
     return sorted(t for t in titles if t in RECOVERY)
 
 
-def overdue(run_dir: Path, log: Path, placed: dict) -> str:
+def overdue(run_dir: Path, logs: str, placed: dict) -> str:
     """What a run past its deadline was doing: where each role was, its last events and its log's tail."""
     last = [json.dumps(e) for e in events(run_dir)[-10:]]
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
     return f"the run did not end within {RUN_DEADLINE_S} s; roles by node: {placed}\nlast events:\n" + "\n".join(
-        last) + f"\nlog tail:\n{tail}"
+        last) + f"\nlog tail:\n{logs[-3000:]}"
 
 
-def test_a_run_joined_by_address_survives_losing_the_node_with_its_trainer(cluster, tmp_path):
-    run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    command = [
+def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    dashboard = f"http://{cluster.head_node.address_info['webui_url']}"
+    train = [
         str(Path(sys.executable).parent / "relax-gym"), "train", str(ROOT / "examples/configs/quickstart.yaml"),
         f"run_dir={run_dir}", f"model={WARM_START}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=4",
         "trainer.eval_every=0", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={GROUP_SIZE}",
-        "cluster.mode=ray", f"cluster.address={cluster.address}", "cluster.engines.count=2",
-        "cluster.rollout_workers.count=2", "cluster.control.enabled=false", "cluster.health.poll_s=0.2",
-        "cluster.health.stall_s=3", "cluster.health.probe_timeout_s=2",
+        "cluster.mode=ray", "cluster.address=auto", "cluster.engines.count=2", "cluster.rollout_workers.count=2",
+        "cluster.control.enabled=false", "cluster.health.poll_s=0.2", "cluster.health.stall_s=3",
+        "cluster.health.probe_timeout_s=2",
     ]
+    submitted = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard, "--submission-id",
+         "relax-gym-nodes", "--no-wait", "--", *train], capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    jobs = JobSubmissionClient(dashboard)
     nodes = list(cluster.worker_nodes)
     placed: dict[str, list[str]] = {}
     lost: list[str] = []
-    with log.open("w") as out:
-        run = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        try:
-            while run.poll() is None:
-                if time.monotonic() > deadline:
-                    pytest.fail(overdue(run_dir, log, placed))
-                if not lost and (run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= KILL_AFTER_STEP:
-                    placed = {n.unique_id[:8]: roles_on(n) for n in nodes}
-                    victim = next(n for n in nodes if "TrainerRank" in roles_on(n))
-                    lost = roles_on(victim)
-                    cluster.remove_node(victim, allow_graceful=False)
-                time.sleep(0.2)
-        finally:
-            if run.poll() is None:
-                run.kill()
-    assert run.returncode == 0, log.read_text(errors="replace")[-3000:]
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    while jobs.get_job_status("relax-gym-nodes") not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
+        if time.monotonic() > deadline:
+            jobs.stop_job("relax-gym-nodes")
+            pytest.fail(overdue(run_dir, jobs.get_job_logs("relax-gym-nodes"), placed))
+        if not lost and (run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= KILL_AFTER_STEP:
+            placed = {n.unique_id[:8]: roles_on(n) for n in nodes}
+            victim = next(n for n in nodes if "TrainerRank" in roles_on(n))
+            lost = roles_on(victim)
+            cluster.remove_node(victim, allow_graceful=False)
+        time.sleep(0.2)
+    logs = jobs.get_job_logs("relax-gym-nodes")
+    assert jobs.get_job_status("relax-gym-nodes") == JobStatus.SUCCEEDED, logs[-3000:]
     assert lost, f"the run ended before step {KILL_AFTER_STEP}"
 
     # the roles were spread as docs/distributed.md says: the rollout workers on different nodes
