@@ -420,8 +420,52 @@ def cmd_env_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster_check(args: argparse.Namespace) -> int:
+    """The preflight of a distributed run's config against the cluster it would join; exit 1 on any problem."""
+    import asyncio
+    import dataclasses
+
+    import ray
+
+    from relax_gym.trainer.cluster.preflight import preflight
+    from relax_gym.trainer.cluster.run import start_ray
+    from relax_gym.trainer.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.cluster is None:
+        console.print("[red]error: the config runs in one process: add a cluster section (or cluster.mode=ray) to "
+                      "check a cluster[/red]", highlight=False, soft_wrap=True)
+        return 2
+    start_ray(cfg.cluster)
+    try:
+        report = asyncio.run(preflight(cfg))
+        resources = ray.cluster_resources()
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({**dataclasses.asdict(report), "ok": report.ok}, indent=2))
+        return 0 if report.ok else 1
+    where = cfg.cluster.address or "a local cluster (no cluster.address: the run would start one)"
+    print(f"cluster {where}: {len(report.nodes)} nodes, " + ", ".join(
+        f"{resources.get(k, 0):g} {k}" for k in ("CPU", "GPU")))
+    for ask in report.asks:
+        print(f"  asks {ask.count} {ask.role}(s) x {ask.resources} ({ask.strategy})")
+    for node in report.nodes:
+        seen = node.seen or {}
+        versions = ", ".join(f"{k} {v}" for k, v in seen.get("versions", {}).items()) or "no answer"
+        print(f"  node {node.address} ({node.node_id[:8]}) {node.resources}: {versions}")
+    for role, nodes in report.placed.items():
+        print(f"  {role} -> {', '.join(nodes)}")
+    for problem in report.problems:
+        console.print(f"[red]problem: {escape(problem)}[/red]", highlight=False, soft_wrap=True)
+    print("ok: the cluster can run this config" if report.ok else f"{len(report.problems)} problem(s)")
+    return 0 if report.ok else 1
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     """One call to a training run's control API; its JSON answer on stdout, a refusal as one line and exit 1."""
+    if args.action == "check":
+        return cmd_cluster_check(args)
     import httpx
 
     from relax_gym.control_client import ControlClient, locate, refusal
@@ -627,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--url", help="the control API's URL (default: from the run folder's control.json)")
     common.add_argument("--token", help="the control token (default: $RELAX_GYM_CONTROL_TOKEN, else the run folder's "
                                         "control_token); visible to others in `ps`, prefer those")
-    p = sub.add_parser("cluster", help="a training run's rollout engines: status, scale out / in, operations")
+    p = sub.add_parser("cluster", help="a cluster's preflight; a training run's engines: status, scale out / in, "
+                                       "operations")
     actions = p.add_subparsers(dest="action", required=True)
     actions.add_parser("status", parents=[common], help="the run's status and its engines by state")
     actions.add_parser("engines", parents=[common], help="every engine: id, state, weight version, requests")
@@ -651,6 +696,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "engine made it)")
         a.add_argument("--idempotency-key", metavar="KEY", help="a retried request with the same key returns the "
                                                                  "first one's operation instead of starting another")
+    a = actions.add_parser("check", help="before a run: whether the cluster has what CONFIG asks, every node runs "
+                                         "the same versions and sees its paths, and where Ray places each role")
+    a.add_argument("config", metavar="CONFIG", help="the training config (YAML) the run would use")
+    a.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides, as `relax-gym train` takes them")
+    a.add_argument("--json", action="store_true", help="the whole report as JSON")
     a = actions.add_parser("ops", parents=[common], help="the recent operations, or one")
     a.add_argument("op_id", nargs="?", metavar="OP_ID")
     a = actions.add_parser("cancel", parents=[common], help="cancel a scale-out still starting its engines")

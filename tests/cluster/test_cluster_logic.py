@@ -96,3 +96,26 @@ def test_a_call_that_could_not_fetch_its_argument_is_told_from_the_role_dying():
     assert source_lost(task_error(ObjectLostError("0" * 56, "owner", "call site")))
     assert not source_lost(ActorDiedError())  # the engine itself
     assert not source_lost(task_error(ValueError("a bad weight name")))
+
+
+def test_the_preflight_names_what_a_node_runs_or_sees_otherwise():
+    pytest.importorskip("ray")
+    from relax_gym.trainer.cluster.preflight import NodeReport, RoleAsk, compare, shortfalls
+
+    here = {"versions": {"relax_gym": "0.1.0", "torch": "2.13.0"}, "model": "abc", "run_dir_writable": True}
+    node = NodeReport("f" * 56, "10.0.0.7", {"CPU": 8},
+                      seen={"versions": {"relax_gym": "0.1.0", "torch": "2.9.1"}, "model": None,
+                            "run_dir_writable": False})
+    compare(node, here, "/data/model", model_is_path=True)
+    assert node.problems == [
+        "runs torch 2.9.1, this process 2.13.0",
+        "does not see the model /data/model as this process does (fingerprint missing, here abc): paths must be "
+        "absolute, on a file system every node shares",
+        "cannot write the run folder (checkpoints and `weight_sync: disk` need it on a shared file system)"]
+    hub_id = NodeReport("e" * 56, "10.0.0.8", {"CPU": 8}, seen={**here, "model": None})
+    compare(hub_id, here, "HuggingFaceTB/SmolLM2-135M", model_is_path=False)  # a hub id: each node fetches it
+    assert hub_id.problems == []
+    asks = [RoleAsk("engine", 2, {"CPU": 1.0, "GPU": 1.0}, "STRICT_PACK"), RoleAsk("trainer rank", 1, {"CPU": 1.0},
+                                                                                      "PACK")]
+    assert shortfalls(asks, {"CPU": 8.0, "GPU": 1.0}) == [
+        "the run asks 2 GPU in all (2 engines x 1); the cluster has 1"]

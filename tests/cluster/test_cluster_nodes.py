@@ -104,7 +104,7 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(
             jobs.stop_job("relax-gym-nodes")
             pytest.fail(overdue(run_dir, jobs.get_job_logs("relax-gym-nodes"), placed))
         if not lost and (run_dir / "metrics.jsonl").exists() and len(records(run_dir)) >= KILL_AFTER_STEP:
-            placed = {n.unique_id[:8]: roles_on(n) for n in nodes}
+            placed = {n.node_id[:8]: roles_on(n) for n in nodes}
             victim = next(n for n in nodes if "TrainerRank" in roles_on(n))
             lost = roles_on(victim)
             cluster.remove_node(victim, allow_graceful=False)
@@ -126,3 +126,27 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(
     recoveries = [e for e in seen if e["event"] in RECOVERY.values()]
     assert all(e["time_to_recover_s"] > 0 for e in recoveries), recoveries
     assert not [e for e in seen if e["event"].endswith("restart_failed")], seen  # each came back at its first try
+
+
+def test_cluster_check_says_what_fits_where_before_a_run(cluster, tmp_path):
+    relax_gym = str(Path(sys.executable).parent / "relax-gym")
+    base = [relax_gym, "cluster", "check", str(ROOT / "examples/configs/quickstart.yaml"),
+            f"run_dir={tmp_path / 'run'}", f"model={WARM_START}", f"cluster.address={cluster.address}",
+            "cluster.engines.count=2", "cluster.rollout_workers.count=2"]
+    done = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and len(report["nodes"]) == 3, report  # the head and two worker nodes
+    here = report["nodes"][0]["seen"]["versions"]
+    assert all(node["seen"]["versions"] == here and node["seen"]["model"] for node in report["nodes"]), report
+    workers = {n.node_id[:8] for n in cluster.worker_nodes}
+    assert set(report["placed"]) == {"engine 0", "engine 1", "trainer ranks"}, report["placed"]
+    placed_on = {where.split("(")[1].rstrip(")") for nodes in report["placed"].values() for where in nodes}
+    assert placed_on <= workers, report["placed"]  # the head has no CPU for roles
+
+    # more than the cluster has: one line per resource, exit 1, nothing reserved
+    done = subprocess.run([*base, "cluster.engines.count=12", "cluster.engines.num_cpus=1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("problem: the run asks 13.5 CPU in all (12 engines x 1, 2 rollout workers x 0.5, 1 trainer rank x 0.5); "
+            "the cluster has 6") in " ".join(done.stdout.split()), done.stdout

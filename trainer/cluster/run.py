@@ -28,10 +28,12 @@ import ray
 from relax_gym.engines.base import Engine
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
+from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
 from relax_gym.trainer.cluster.placement import bundle, in_group, nodes_of, release, reserve, settled
+from relax_gym.trainer.cluster.preflight import unseen_paths
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, WeightsLost, call
 from relax_gym.trainer.cluster.roles import TrainerRank, pushed_adapters
 from relax_gym.trainer.cluster.scale import ScaleManager
@@ -54,6 +56,12 @@ class Faults:
     trainer: dict[str, int] | None = None
     trainer_times: int = 1
 
+
+
+def start_ray(c: ClusterSection) -> None:
+    """Joins `c.address`, or starts a local cluster of `c.num_cpus` logical CPUs (default max(8, this machine's))."""
+    num_cpus = None if c.address else (c.num_cpus or max(8, os.cpu_count() or 1))
+    ray.init(address=c.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 class ClusterTrainer(Trainer):
     """A run whose engines, rollout workers and trainer rank are Ray actors; this process is the controller.
@@ -102,6 +110,8 @@ class ClusterTrainer(Trainer):
                                     distribute=self._distribute if self.cluster.weight_sync == "distributed" else None)
             self.workers = WorkerPool(self.cfg, engines=self._engines_view, event=self.event,
                                       faults=self.faults.workers)
+            if self.cluster.address and (unseen := await unseen_paths(self.cfg)):  # a joined cluster's other nodes
+                raise StartupError("cluster: " + "; ".join(unseen))
             async with asyncio.TaskGroup() as starting:  # each role loads the model in its own process: at once
                 starting.create_task(self._start_trainer())
                 starting.create_task(self.fleet.start(self.cluster.engines.count))
@@ -135,12 +145,9 @@ class ClusterTrainer(Trainer):
         self.log.note(f"cluster: control API at {url} (relax-gym cluster status --run-dir {self.run_dir})")
 
     def _start_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        c = self.cluster
-        num_cpus = None if c.address else (c.num_cpus or max(8, os.cpu_count() or 1))
-        ray.init(address=c.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        self._owns_ray = True
+        if not ray.is_initialized():
+            start_ray(self.cluster)
+            self._owns_ray = True
 
     async def _engines_changed(self, epoch: int, members: dict[str, Engine]) -> None:
         if hasattr(self, "workers"):
