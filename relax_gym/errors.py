@@ -58,6 +58,7 @@ defines it and, in brackets, a shorter path that re-exports it
         StalledGame                 relax_gym.envs.textarena  (the scripted seats never gave the policy its turn)
         TrainerLost                 relax_gym.trainer.cluster.ray_handles  (the controller restarts the trainer)
         VerifiersError              relax_gym.envs.verifiers_env  (verifiers recorded the episode as failed)
+        WeightsLost                 relax_gym.trainer.cluster.ray_handles  (published weights lost: a TrainerLost)
         WorkerError                 relax_gym.rewards._pool  (private: the reward pool's worker broke)
     Warning
       RuntimeWarning

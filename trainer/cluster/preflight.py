@@ -88,12 +88,12 @@ def what_a_node_sees(model: str, run_dir: str) -> dict[str, Any]:
     import torch
     import transformers
 
-    import relax_gym
+    from relax_gym.version import __version__
 
     writable = Path(run_dir).absolute()
     while not writable.exists() and writable != writable.parent:
         writable = writable.parent
-    return {"versions": {"relax_gym": relax_gym.__version__, "torch": torch.__version__,
+    return {"versions": {"relax_gym": __version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "ray": ray.__version__,
                          "python": platform.python_version()},
             "model": fingerprint(model),
