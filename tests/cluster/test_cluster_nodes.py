@@ -4,8 +4,10 @@ cluster.address=auto`, docs/distributed.md), and a worker node removed without g
 every process on it SIGKILLed, as a machine that loses power).
 
 The removed node is the one holding the trainer rank, so the run loses its trainer, the weights it published
-(their copy lived there) and whatever engine or rollout worker Ray placed beside it. The run must finish every
-step, train each task exactly once, and bring each lost role back on the surviving node at its first try.
+(their copy lived there) and whatever engine or rollout worker Ray placed beside it. The run must bring each
+lost role back on the surviving node at its first try and train each task exactly once; then a new node joins,
+the next scale-out (past the survivor's room) places an engine on it, and `ray job stop` ends the run as a user
+ends one: its running step finished and checkpointed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from support.cluster import WARM_START, events, records, trained_tasks  # noqa: 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, GROUPS, GROUP_SIZE = 30, 4, 4
+#: more steps than the test lets it take: it stops the job once the new node serves
+STEPS, GROUPS, GROUP_SIZE = 1000, 4, 4
 KILL_AFTER_STEP = 4
 #: the test's own deadline for the run, inside pytest-timeout's: past it, the roles and last events are printed
 RUN_DEADLINE_S = 240
@@ -46,10 +49,12 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def cluster():
+def cluster(monkeypatch):
     """A head with no CPUs for roles (the run's driver runs there, as on a login node) and Ray's job server on
     loopback, and two worker nodes with 3 logical CPUs each: the run's 5 roles (0.5 CPU each) fit on either node
-    alone once the other is gone."""
+    alone once the other is gone. `ray job stop` gives the run 60 s to finish its step (Ray's default is 3 s,
+    then SIGKILL), as docs/distributed.md says to set it on a head."""
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "60")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()})
     for _ in range(2):
@@ -72,6 +77,12 @@ def roles_on(node) -> list[str]:
     return sorted(t for t in titles if t in RECOVERY)
 
 
+def recovered(run_dir: Path, lost: list[str]) -> bool:
+    """Whether each role lost has its recovery event."""
+    kinds = Counter(e["event"] for e in events(run_dir))
+    return all(kinds[RECOVERY[role]] >= count for role, count in Counter(lost).items())
+
+
 def overdue(run_dir: Path, logs: str, placed: dict) -> str:
     """What a run past its deadline was doing: where each role was, its last events and its log's tail."""
     last = [json.dumps(e) for e in events(run_dir)[-10:]]
@@ -79,7 +90,8 @@ def overdue(run_dir: Path, logs: str, placed: dict) -> str:
         last) + f"\nlog tail:\n{logs[-3000:]}"
 
 
-def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(cluster, tmp_path):
+def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer_and_scales_onto_a_new_one(
+        cluster, tmp_path):
     run_dir = tmp_path / "run"
     dashboard = f"http://{cluster.head_node.address_info['webui_url']}"
     train = [
@@ -87,8 +99,7 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(
         f"run_dir={run_dir}", f"model={WARM_START}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=4",
         "trainer.eval_every=0", f"rollout.groups_per_step={GROUPS}", f"rollout.group_size={GROUP_SIZE}",
         "cluster.mode=ray", "cluster.address=auto", "cluster.engines.count=2", "cluster.rollout_workers.count=2",
-        "cluster.control.enabled=false", "cluster.health.poll_s=0.2", "cluster.health.stall_s=3",
-        "cluster.health.probe_timeout_s=2",
+        "cluster.health.poll_s=0.2", "cluster.health.stall_s=3", "cluster.health.probe_timeout_s=2",
     ]
     submitted = subprocess.run(
         [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", dashboard, "--submission-id",
@@ -98,6 +109,7 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(
     nodes = list(cluster.worker_nodes)
     placed: dict[str, list[str]] = {}
     lost: list[str] = []
+    added, scaled, stopped = None, None, None
     deadline = time.monotonic() + RUN_DEADLINE_S
     while jobs.get_job_status("relax-gym-nodes") not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}:
         if time.monotonic() > deadline:
@@ -108,21 +120,34 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer(
             victim = next(n for n in nodes if "TrainerRank" in roles_on(n))
             lost = roles_on(victim)
             cluster.remove_node(victim, allow_graceful=False)
+        if lost and added is None and recovered(run_dir, lost):
+            # a node joins, and the next scale-out (past the survivor's room) uses it
+            added = cluster.add_node(num_cpus=3)
+            scaled = subprocess.run([str(Path(sys.executable).parent / "relax-gym"), "cluster", "scale-out",
+                                     "--run-dir", str(run_dir), "--engines", "4", "--wait"], capture_output=True,
+                                    text=True, timeout=120)
+            placed["added"] = roles_on(added)
+            stopped = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "stop", "--address", dashboard,
+                                      "relax-gym-nodes"], capture_output=True, text=True, timeout=120)
         time.sleep(0.2)
     logs = jobs.get_job_logs("relax-gym-nodes")
-    assert jobs.get_job_status("relax-gym-nodes") == JobStatus.SUCCEEDED, logs[-3000:]
+    assert jobs.get_job_status("relax-gym-nodes") == JobStatus.STOPPED, logs[-3000:]
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert lost, f"the run ended before step {KILL_AFTER_STEP}"
 
+    assert scaled is not None and scaled.returncode == 0, (scaled, placed)
+    assert "EngineService" in placed["added"], placed
     # the roles were spread as docs/distributed.md says: the rollout workers on different nodes
-    assert all(roles.count("RolloutWorker") == 1 for roles in placed.values()), placed
-    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
+    assert all(roles.count("RolloutWorker") == 1 for node, roles in placed.items() if node != "added"), placed
+    # stopped as a user stops it: the running step finished and was checkpointed
+    steps = [r["step"] for r in records(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > KILL_AFTER_STEP, steps
+    assert (run_dir / "checkpoints" / f"step_{len(steps)}").is_dir()
     per_task = trained_tasks(run_dir)
-    assert len(per_task) == STEPS * GROUPS and set(per_task.values()) == {GROUP_SIZE}, per_task
+    assert len(per_task) == len(steps) * GROUPS and set(per_task.values()) == {GROUP_SIZE}, per_task
 
     seen = events(run_dir)
-    kinds = Counter(e["event"] for e in seen)
-    for role, count in Counter(lost).items():
-        assert kinds[RECOVERY[role]] >= count, (role, lost, seen)
+    assert recovered(run_dir, lost), (lost, seen)
     recoveries = [e for e in seen if e["event"] in RECOVERY.values()]
     assert all(e["time_to_recover_s"] > 0 for e in recoveries), recoveries
     assert not [e for e in seen if e["event"].endswith("restart_failed")], seen  # each came back at its first try
