@@ -449,7 +449,8 @@ def cmd_cluster_check(args: argparse.Namespace) -> int:
     print(f"cluster {where}: {len(report.nodes)} nodes, " + ", ".join(
         f"{resources.get(k, 0):g} {k}" for k in ("CPU", "GPU")))
     for ask in report.asks:
-        print(f"  asks {ask.count} {ask.role}(s) x {ask.resources} ({ask.strategy})")
+        groups = ", a placement group each" if ask.group_each else (", one group" if ask.strategy != "SPREAD" else "")
+        print(f"  asks {ask.count} {ask.role}(s) x {ask.resources} ({ask.strategy}{groups})")
     for node in report.nodes:
         seen = node.seen or {}
         versions = ", ".join(f"{k} {v}" for k, v in seen.get("versions", {}).items()) or "no answer"

@@ -31,12 +31,14 @@ NODE_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class RoleAsk:
-    """What one role asks: `count` actors of `resources` each, reserved as `strategy` says."""
+    """What one role asks: `count` actors of `resources` each, placed by Ray's `strategy`, in a placement group
+    each (`group_each`) or all in one (an unreserved SPREAD role has none)."""
 
     role: str
     count: int
     resources: dict[str, float]
     strategy: str
+    group_each: bool = False
 
 
 def role_asks(cfg: TrainConfig) -> list[RoleAsk]:
@@ -44,9 +46,9 @@ def role_asks(cfg: TrainConfig) -> list[RoleAsk]:
     c = cfg.cluster
     assert c is not None
     e, w, t = c.engines, c.rollout_workers, c.trainer
-    return [RoleAsk("engine", e.count, bundle(e.num_cpus, e.num_gpus * e.tp), "STRICT_PACK, one group each"),
+    return [RoleAsk("engine", e.count, bundle(e.num_cpus, e.num_gpus * e.tp), "STRICT_PACK", group_each=True),
             RoleAsk("rollout worker", w.count, bundle(w.num_cpus, 0), "SPREAD"),
-            RoleAsk("trainer rank", t.world_size, bundle(t.num_cpus, t.num_gpus), "PACK, one group for all")]
+            RoleAsk("trainer rank", t.world_size, bundle(t.num_cpus, t.num_gpus), "PACK")]
 
 
 def total_ask(asks: list[RoleAsk]) -> dict[str, float]:
@@ -165,11 +167,11 @@ async def place(asks: list[RoleAsk]) -> tuple[dict[str, list[str]], list[str]]:
         for ask in asks:
             if ask.strategy == "SPREAD" or not ask.count:
                 continue
-            shapes = ([[ask.resources]] * ask.count if ask.role == "engine" else [[ask.resources] * ask.count])
+            shapes = [[ask.resources]] * ask.count if ask.group_each else [[ask.resources] * ask.count]
             for index, bundles in enumerate(shapes):
-                name = f"{ask.role} {index}" if ask.role == "engine" else f"{ask.role}s"
+                name = f"{ask.role} {index}" if ask.group_each else f"{ask.role}s"
                 try:
-                    group = await reserve(bundles, ask.strategy.split(",")[0], PLACE_TIMEOUT_S, name)
+                    group = await reserve(bundles, ask.strategy, PLACE_TIMEOUT_S, name)
                 except PlacementError as err:
                     problems.append(str(err))
                     break  # the role's next groups are the same shape
