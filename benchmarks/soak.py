@@ -70,26 +70,28 @@ def make_config(run_dir: Path, address: str) -> TrainConfig:
     ])
 
 
+def role_of(process: psutil.Process) -> str | None:
+    """The role a process runs, from its Ray process title (`ray::Class` or `ray::Class.method`), if any."""
+    try:
+        titles = [arg[5:].split(".")[0] for arg in process.cmdline() if arg.startswith("ray::")]
+    except psutil.Error:
+        return None
+    return next((t for t in titles if t in ROLES), None)
+
+
 def role_processes() -> dict[str, list[psutil.Process]]:
-    """This machine's role processes by kind, from their Ray process titles."""
+    """This machine's role processes by kind."""
     found: dict[str, list[psutil.Process]] = defaultdict(list)
-    for process in psutil.process_iter(["cmdline"]):
-        for arg in process.info["cmdline"] or ():
-            if arg.startswith("ray::") and arg[5:].split(".")[0] in ROLES:
-                found[arg[5:].split(".")[0]].append(process)
-                break
+    for process in psutil.process_iter():
+        if role := role_of(process):
+            found[role].append(process)
     return found
 
 
 def roles_on(node: Any) -> list[str]:
+    """The roles running on a node of the test cluster: its raylet's children's."""
     raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
-    titles = []
-    for process in raylet.children(recursive=True):
-        try:
-            titles += [a[5:].split(".")[0] for a in process.cmdline() if a.startswith("ray::")]
-        except psutil.Error:
-            continue
-    return [t for t in titles if t in ROLES]
+    return [role for process in raylet.children(recursive=True) if (role := role_of(process))]
 
 
 class Soak:

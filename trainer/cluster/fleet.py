@@ -28,7 +28,7 @@ from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.engines.vllm import VLLMEngine
 from relax_gym.trainer.cluster.budget import RestartBudget
 from relax_gym.trainer.cluster.config import ClusterSection
-from relax_gym.trainer.cluster.placement import bundle, in_group, nodes_of, release, reserve, settled
+from relax_gym.trainer.cluster.placement import engine_bundles, in_group, nodes_of, release, reserve, settled
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RayEngineClient, WeightsLost, call, source_lost
 from relax_gym.trainer.cluster.roles import EngineService, ServerSupervisor, pushed_adapters
 from relax_gym.trainer.cluster.scale import EngineState, EngineView
@@ -131,7 +131,7 @@ class ActorFleet:
         restarts, so a restarted engine lands on the same node and GPUs)."""
         c = self.cluster.engines
         if slot.group is None:
-            slot.group = await reserve([bundle(c.num_cpus, c.num_gpus * c.tp)], "STRICT_PACK", START_TIMEOUT_S,
+            slot.group = await reserve(engine_bundles(self.cluster), "STRICT_PACK", START_TIMEOUT_S,
                                        f"engine {slot.engine_id}")
         options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "max_restarts": 0,
                                    "max_task_retries": 0, "max_concurrency": 1000, **in_group(slot.group)}

@@ -17,6 +17,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from relax_gym.trainer.cluster.config import ClusterSection
+
 #: how long a restart waits for Ray to settle the nodes of its reservation (Ray's own health checks declare a
 #: silent node dead within about 30 s by default)
 SETTLE_TIMEOUT_S = 60.0
@@ -50,6 +52,21 @@ async def reserve(bundles: list[dict[str, float]], strategy: str, timeout_s: flo
     return group
 
 
+def engine_bundles(c: ClusterSection) -> list[dict[str, float]]:
+    """One engine's reservation (STRICT_PACK: its tensor-parallel GPUs on one node)."""
+    return [bundle(c.engines.num_cpus, c.engines.num_gpus * c.engines.tp)]
+
+
+def trainer_bundles(c: ClusterSection) -> list[dict[str, float]]:
+    """The trainer ranks' reservation, one bundle per rank (PACK)."""
+    return [bundle(c.trainer.num_cpus, c.trainer.num_gpus)] * c.trainer.world_size
+
+
+def on_node(node_id: str) -> dict[str, Any]:
+    """Task or actor options that run it on that node only (never elsewhere, if the node is gone)."""
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
 def in_group(group: PlacementGroup, index: int = 0) -> dict[str, Any]:
     """Actor options that place it in bundle `index` of `group` (its own resources must fit that bundle)."""
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
@@ -80,7 +97,7 @@ def _here() -> None:
 
 
 async def _answered(node_id: str, timeout_s: float) -> None:
-    ref = _here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    ref = _here.options(**on_node(node_id)).remote()
     try:
         await asyncio.wait_for(ref, timeout_s)
     except TimeoutError:

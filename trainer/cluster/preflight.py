@@ -18,9 +18,16 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group_table
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from relax_gym.trainer.cluster.placement import PlacementError, bundle, release, reserve
+from relax_gym.trainer.cluster.placement import (
+    PlacementError,
+    bundle,
+    engine_bundles,
+    on_node,
+    release,
+    reserve,
+    trainer_bundles,
+)
 from relax_gym.trainer.config import TrainConfig
 
 #: how long a reservation may take to be placed before the preflight says it cannot be
@@ -45,10 +52,9 @@ def role_asks(cfg: TrainConfig) -> list[RoleAsk]:
     """Each role's actors and resources, as the run reserves them (docs/distributed.md)."""
     c = cfg.cluster
     assert c is not None
-    e, w, t = c.engines, c.rollout_workers, c.trainer
-    return [RoleAsk("engine", e.count, bundle(e.num_cpus, e.num_gpus * e.tp), "STRICT_PACK", group_each=True),
-            RoleAsk("rollout worker", w.count, bundle(w.num_cpus, 0), "SPREAD"),
-            RoleAsk("trainer rank", t.world_size, bundle(t.num_cpus, t.num_gpus), "PACK")]
+    return [RoleAsk("engine", c.engines.count, engine_bundles(c)[0], "STRICT_PACK", group_each=True),
+            RoleAsk("rollout worker", c.rollout_workers.count, bundle(c.rollout_workers.num_cpus, 0), "SPREAD"),
+            RoleAsk("trainer rank", c.trainer.world_size, trainer_bundles(c)[0], "PACK")]
 
 
 def total_ask(asks: list[RoleAsk]) -> dict[str, float]:
@@ -127,8 +133,7 @@ async def visit(node: dict[str, Any], model: str, run_dir: str) -> NodeReport:
     """The node's answer to `what_a_node_sees`, or why it gave none."""
     report = NodeReport(node["NodeID"], node.get("NodeManagerAddress", "?"),
                         {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU")})
-    remote = ray.remote(num_cpus=0, max_retries=0)(what_a_node_sees).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+    remote = ray.remote(num_cpus=0, max_retries=0)(what_a_node_sees).options(**on_node(node["NodeID"]))
     try:
         report.seen = await asyncio.wait_for(remote.remote(model, run_dir), NODE_TIMEOUT_S)
     except TimeoutError:

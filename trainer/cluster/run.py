@@ -32,7 +32,7 @@ from relax_gym.trainer.cluster.config import ClusterSection
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
 from relax_gym.trainer.cluster.fleet import ActorFleet
 from relax_gym.trainer.cluster.health import HealthMonitor
-from relax_gym.trainer.cluster.placement import bundle, in_group, nodes_of, release, reserve, settled
+from relax_gym.trainer.cluster.placement import in_group, nodes_of, release, reserve, settled, trainer_bundles
 from relax_gym.trainer.cluster.preflight import unseen_paths
 from relax_gym.trainer.cluster.ray_handles import ACTOR_GONE, RemoteBackend, TrainerLost, WeightsLost, call
 from relax_gym.trainer.cluster.roles import TrainerRank, pushed_adapters
@@ -57,11 +57,11 @@ class Faults:
     trainer_times: int = 1
 
 
-
 def start_ray(c: ClusterSection) -> None:
     """Joins `c.address`, or starts a local cluster of `c.num_cpus` logical CPUs (default max(8, this machine's))."""
     num_cpus = None if c.address else (c.num_cpus or max(8, os.cpu_count() or 1))
     ray.init(address=c.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
 
 class ClusterTrainer(Trainer):
     """A run whose engines, rollout workers and trainer rank are Ray actors; this process is the controller.
@@ -162,7 +162,7 @@ class ClusterTrainer(Trainer):
             self.faults.trainer_times -= 1
         t = self.cluster.trainer
         if self._trainer_group is None:
-            self._trainer_group = await reserve([bundle(t.num_cpus, t.num_gpus)] * t.world_size, "PACK",
+            self._trainer_group = await reserve(trainer_bundles(self.cluster), "PACK",
                                                 START_TIMEOUT_S, "the trainer ranks")
         ranks: list[Any] = []
         for rank in range(t.world_size):
