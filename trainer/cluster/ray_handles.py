@@ -109,7 +109,8 @@ class RemoteBackend(Forwarder):
     def _wait(self, ref: Any) -> Any:
         """`ref` once its call has answered; TrainerLost if a rank is lost or stuck meanwhile."""
         try:
-            done, _ = ray.wait([ref, *self.followers], num_returns=1, timeout=self.stall_s)
+            # answered is enough: fetching would copy every published state dict to this (the head's) node
+            done, _ = ray.wait([ref, *self.followers], num_returns=1, timeout=self.stall_s, fetch_local=False)
             if not done:
                 raise TrainerLost(f"the trainer rank did not answer for {self.stall_s:g} s "
                                   "(cluster.health.trainer_stall_s)")
