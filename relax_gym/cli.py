@@ -427,7 +427,7 @@ def cmd_cluster_check(args: argparse.Namespace) -> int:
 
     import ray
 
-    from relax_gym.trainer.cluster.preflight import preflight
+    from relax_gym.trainer.cluster.preflight import announced, preflight
     from relax_gym.trainer.cluster.run import start_ray
     from relax_gym.trainer.config import load_config
 
@@ -439,7 +439,7 @@ def cmd_cluster_check(args: argparse.Namespace) -> int:
     start_ray(cfg.cluster)
     try:
         report = asyncio.run(preflight(cfg))
-        resources = ray.cluster_resources()
+        resources = announced(ray.cluster_resources())
     finally:
         ray.shutdown()
     if args.json:
@@ -447,7 +447,7 @@ def cmd_cluster_check(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     where = cfg.cluster.address or "a local cluster (no cluster.address: the run would start one)"
     print(f"cluster {where}: {len(report.nodes)} nodes, " + ", ".join(
-        f"{resources.get(k, 0):g} {k}" for k in ("CPU", "GPU")))
+        f"{amount:g} {name}" for name, amount in {"CPU": 0, "GPU": 0, **resources}.items()))
     for ask in report.asks:
         groups = ", a placement group each" if ask.group_each else (", one group" if ask.strategy != "SPREAD" else "")
         print(f"  asks {ask.count} {ask.role}(s) x {ask.resources} ({ask.strategy}{groups})")

@@ -57,6 +57,8 @@ def type_name(annotation: Any) -> str:
     if annotation is Any:
         return "Any"
     origin = get_origin(annotation)
+    if origin is typing.Annotated:  # a constrained type (PositiveFloat): its base type
+        return type_name(get_args(annotation)[0])
     if origin is Literal:
         return " | ".join(json.dumps(arg) for arg in get_args(annotation))
     if origin in (typing.Union, types.UnionType):

@@ -119,3 +119,24 @@ def test_the_preflight_names_what_a_node_runs_or_sees_otherwise():
                                                                                       "PACK")]
     assert shortfalls(asks, {"CPU": 8.0, "GPU": 1.0}) == [
         "the run asks 2 GPU in all (2 engines x 1); the cluster has 1"]
+
+
+def test_roles_ask_for_custom_resources_that_keep_them_on_some_nodes():
+    pytest.importorskip("ray")
+    from relax_gym.trainer.cluster.preflight import announced, role_asks, shortfalls
+
+    envs = "envs=[{id: relax/Arithmetic-v0}]"
+    cfg = load_config(None, [envs, "cluster.mode=ray", "cluster.trainer.resources={train_box: 1}",
+                             "cluster.engines.resources={serve_box: 0.5}",
+                             "cluster.rollout_workers.resources.env_box=1"])
+    assert {a.role: a.resources for a in role_asks(cfg)} == {
+        "engine": {"CPU": 0.5, "serve_box": 0.5}, "rollout worker": {"CPU": 0.5, "env_box": 1.0},
+        "trainer rank": {"CPU": 0.5, "train_box": 1.0}}
+    cluster = announced({"CPU": 8.0, "memory": 1e9, "object_store_memory": 1e9, "node:10.0.0.7": 1.0,
+                         "node:__internal_head__": 1.0, "serve_box": 1.0, "env_box": 1.0})
+    assert cluster == {"CPU": 8.0, "serve_box": 1.0, "env_box": 1.0}
+    assert shortfalls(role_asks(cfg), cluster) == [
+        "the run asks 1 train_box in all (1 trainer rank x 1); the cluster has 0"]
+    with pytest.raises(ConfigError, match=r"cluster\.engines\.resources: GPU is not a custom resource \(set "
+                                          r"cluster\.engines\.num_cpus / num_gpus instead\)"):
+        load_config(None, [envs, "cluster.engines.resources={GPU: 1}"])

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+
+#: Ray custom resources, as a node announces them (`ray start --resources='{"trainer_box": 1}'`)
+CustomResources = dict[str, PositiveFloat]
+#: what a role reserves through its own fields (num_cpus, num_gpus), or Ray keeps for itself: never custom
+_NOT_CUSTOM = ("CPU", "GPU", "memory", "object_store_memory")
+_RESOURCES = ("Ray custom resources each actor reserves (a node announces them with `ray start --resources`): "
+              "keeps the role on the nodes that have them, e.g. {trainer_box: 1}")
 
 
 class _Strict(BaseModel):
@@ -41,6 +48,7 @@ class EnginesSection(_Strict):
     num_gpus: float = Field(0, ge=0, description="GPUs of each of the engine's `tp` ranks (the engine reserves "
                             "num_gpus x tp, on one node)")
     tp: int = Field(1, ge=1, description="the engine's tensor-parallel size")
+    resources: CustomResources = Field(default_factory=dict, description=_RESOURCES)
 
 
 class WorkersSection(_Strict):
@@ -48,6 +56,7 @@ class WorkersSection(_Strict):
 
     count: int = Field(1, ge=1, description="rollout worker actors")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs each worker actor reserves")
+    resources: CustomResources = Field(default_factory=dict, description=_RESOURCES)
 
 
 class TrainerRanksSection(_Strict):
@@ -56,6 +65,7 @@ class TrainerRanksSection(_Strict):
     world_size: int = Field(1, ge=1, description="ranks: 1 for the torch backend; Megatron's TP x PP x DP")
     num_cpus: float = Field(0.5, ge=0, description="Ray CPUs each rank reserves")
     num_gpus: float = Field(0, ge=0, description="GPUs of each rank")
+    resources: CustomResources = Field(default_factory=dict, description=_RESOURCES)
 
 
 class HealthSection(_Strict):
@@ -64,7 +74,8 @@ class HealthSection(_Strict):
     poll_s: float = Field(2.0, gt=0, description="how often engines and workers are polled for progress")
     stall_s: float = Field(120.0, gt=0, description="a role with work in flight and no completion for this long is "
                            "stalled (probed, then replaced)")
-    probe_timeout_s: float = Field(30.0, gt=0, description="how long an engine's one-token probe may take")
+    probe_timeout_s: float = Field(30.0, gt=0, description="how long a serving engine's one-token probe may take "
+                                   "(a starting one's first token has the start's 300 s)")
     engine_restarts: int = Field(3, ge=0, description="recreations of one engine allowed per `restart_window_s`; "
                                  "past that it stays dead")
     worker_restarts: int = Field(3, ge=0, description="recreations of one rollout worker allowed per "
@@ -129,6 +140,11 @@ class ClusterSection(_Strict):
 
     @model_validator(mode="after")
     def _reachable(self) -> ClusterSection:
+        for name, role in (("engines", self.engines), ("rollout_workers", self.rollout_workers),
+                           ("trainer", self.trainer)):
+            if taken := [k for k in role.resources if k in _NOT_CUSTOM or k.startswith("node:")]:
+                raise ValueError(f"cluster.{name}.resources: {', '.join(taken)} is not a custom resource (set "
+                                 f"cluster.{name}.num_cpus / num_gpus instead)")
         if self.engines.count > self.control.max_engines:
             raise ValueError(f"cluster.engines.count ({self.engines.count}) is over cluster.control.max_engines "
                              f"({self.control.max_engines}): raise max_engines")

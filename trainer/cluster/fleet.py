@@ -133,8 +133,9 @@ class ActorFleet:
         if slot.group is None:
             slot.group = await reserve(engine_bundles(self.cluster), "STRICT_PACK", START_TIMEOUT_S,
                                        f"engine {slot.engine_id}")
-        options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "max_restarts": 0,
-                                   "max_task_retries": 0, "max_concurrency": 1000, **in_group(slot.group)}
+        options: dict[str, Any] = {"num_cpus": c.num_cpus, "num_gpus": c.num_gpus * c.tp, "resources": c.resources,
+                                   "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 1000,
+                                   **in_group(slot.group)}
         fault = self.faults.pop(slot.engine_id, None)
         if slot.kind in ("sglang", "vllm"):
             slot.actor = ray.remote(ServerSupervisor).options(**options).remote(slot.engine_id, self.cfg)
@@ -165,7 +166,8 @@ class ActorFleet:
                     slot.client = member_client(slot.url, self.api_key, slot.kind, self.keep_adapters)
             step = "HEALTH_CHECKING"
             enter("HEALTH_CHECKING")
-            if not await asyncio.wait_for(self.probe(slot), self.cluster.health.probe_timeout_s):
+            # its first token, cold (first-call allocations and kernels): part of starting, not a stall probe
+            if not await asyncio.wait_for(self.probe(slot), START_TIMEOUT_S):
                 raise EngineStartError("its probe failed")
             step = "WEIGHT_SYNCING"
             enter("WEIGHT_SYNCING")

@@ -28,11 +28,12 @@ class PlacementError(RuntimeError):
     """The cluster has no room for a role's reservation (the message names what was asked)."""
 
 
-def bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
+def bundle(num_cpus: float, num_gpus: float, custom: dict[str, float] | None = None) -> dict[str, float]:
     """One bundle's resources; an empty one still reserves a sliver of CPU (Ray refuses empty bundles)."""
     resources = {"CPU": num_cpus} if num_cpus else {}
     if num_gpus:
         resources["GPU"] = num_gpus
+    resources.update(custom or {})
     return resources or {"CPU": 0.01}
 
 
@@ -54,12 +55,12 @@ async def reserve(bundles: list[dict[str, float]], strategy: str, timeout_s: flo
 
 def engine_bundles(c: ClusterSection) -> list[dict[str, float]]:
     """One engine's reservation (STRICT_PACK: its tensor-parallel GPUs on one node)."""
-    return [bundle(c.engines.num_cpus, c.engines.num_gpus * c.engines.tp)]
+    return [bundle(c.engines.num_cpus, c.engines.num_gpus * c.engines.tp, c.engines.resources)]
 
 
 def trainer_bundles(c: ClusterSection) -> list[dict[str, float]]:
     """The trainer ranks' reservation, one bundle per rank (PACK)."""
-    return [bundle(c.trainer.num_cpus, c.trainer.num_gpus)] * c.trainer.world_size
+    return [bundle(c.trainer.num_cpus, c.trainer.num_gpus, c.trainer.resources)] * c.trainer.world_size
 
 
 def on_node(node_id: str) -> dict[str, Any]:

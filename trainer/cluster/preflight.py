@@ -53,7 +53,8 @@ def role_asks(cfg: TrainConfig) -> list[RoleAsk]:
     c = cfg.cluster
     assert c is not None
     return [RoleAsk("engine", c.engines.count, engine_bundles(c)[0], "STRICT_PACK", group_each=True),
-            RoleAsk("rollout worker", c.rollout_workers.count, bundle(c.rollout_workers.num_cpus, 0), "SPREAD"),
+            RoleAsk("rollout worker", c.rollout_workers.count,
+                    bundle(c.rollout_workers.num_cpus, 0, c.rollout_workers.resources), "SPREAD"),
             RoleAsk("trainer rank", c.trainer.world_size, trainer_bundles(c)[0], "PACK")]
 
 
@@ -129,10 +130,15 @@ class Preflight:
         return not self.problems
 
 
+def announced(resources: dict[str, float]) -> dict[str, float]:
+    """A node's CPUs, GPUs and custom resources (what roles can ask for), without Ray's own bookkeeping ones."""
+    return {k: v for k, v in resources.items() if k not in ("memory", "object_store_memory")
+            and not k.startswith(("node:", "accelerator_type:"))}
+
+
 async def visit(node: dict[str, Any], model: str, run_dir: str) -> NodeReport:
     """The node's answer to `what_a_node_sees`, or why it gave none."""
-    report = NodeReport(node["NodeID"], node.get("NodeManagerAddress", "?"),
-                        {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU")})
+    report = NodeReport(node["NodeID"], node.get("NodeManagerAddress", "?"), announced(node.get("Resources", {})))
     remote = ray.remote(num_cpus=0, max_retries=0)(what_a_node_sees).options(**on_node(node["NodeID"]))
     try:
         report.seen = await asyncio.wait_for(remote.remote(model, run_dir), NODE_TIMEOUT_S)

@@ -167,8 +167,9 @@ class ClusterTrainer(Trainer):
         ranks: list[Any] = []
         for rank in range(t.world_size):
             # rank 0 takes one call at a time, as the loop makes them; a follower answers `ready` while following
-            options: dict[str, Any] = {"num_cpus": t.num_cpus, "num_gpus": t.num_gpus, "max_restarts": 0,
-                                       "max_task_retries": 0, "max_concurrency": 1 if rank == 0 else 2,
+            options: dict[str, Any] = {"num_cpus": t.num_cpus, "num_gpus": t.num_gpus, "resources": t.resources,
+                                       "max_restarts": 0, "max_task_retries": 0,
+                                       "max_concurrency": 1 if rank == 0 else 2,
                                        **in_group(self._trainer_group, rank)}
             ranks.append(ray.remote(TrainerRank).options(**options).remote(self.cfg, fault if rank == 0 else None))
         self._trainer_ranks = ranks

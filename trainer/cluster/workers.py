@@ -66,7 +66,8 @@ class WorkerPool:
     def _spawn(self, worker_id: str) -> Any:
         """A worker actor; `_bring_up` gives it the engines once it is ready."""
         actor: Any = ray.remote(RolloutWorker).options(
-            num_cpus=self.cluster.rollout_workers.num_cpus, max_restarts=0, max_task_retries=0, max_concurrency=1000,
+            num_cpus=self.cluster.rollout_workers.num_cpus, resources=self.cluster.rollout_workers.resources,
+            max_restarts=0, max_task_retries=0, max_concurrency=1000,
             scheduling_strategy="SPREAD",  # CPU work: over every node, next to no engine in particular
         ).remote(worker_id, self.cfg, engine_wait_s=self.cluster.health.engine_wait_s)
         return actor
