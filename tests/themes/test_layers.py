@@ -44,20 +44,9 @@ FLOOR_OF: dict[str, str] = {
     # engines: token ids in, token ids out: the `Engine` protocol, its implementations, `relax-gym serve`.
     "relax_gym.engines": "engines",
     # env API: what an env is and how it is built, graded (rewards: the judge asks an engine), registered,
-    # checked and served (relax_gym.env); the bundled envs. The old paths of relax_gym.env's modules
-    # (relax_gym.core, relax_gym.agents, ...) re-export them for one release, on the same floor.
+    # checked and served (relax_gym.env); the bundled envs.
     "relax_gym.env": "env API",
-    "relax_gym.core": "env API",
-    "relax_gym.spaces": "env API",
-    "relax_gym.single_turn": "env API",
-    "relax_gym.tool_env": "env API",
     "relax_gym.rewards": "env API",
-    "relax_gym.registration": "env API",
-    "relax_gym.conformance": "env API",
-    "relax_gym.remote_env": "env API",
-    "relax_gym.env_server": "env API",
-    "relax_gym.env_wire": "env API",
-    "relax_gym.agents": "env API",
     "relax_gym.envs": "env API",
     # rollout: episodes of envs against an engine: the rollout manager, its runs and checks, agent episodes and
     # the proxy they are recorded through.
