@@ -1,36 +1,40 @@
-"""Computes the package list so a wheel holds every subpackage, including those behind the symlinks.
+"""Lists the packages from the layout `[tool.setuptools.package-dir]` in pyproject.toml maps, so a wheel holds
+every subpackage and a new one needs no edit anywhere.
 
-`relax_gym/envs` and `relax_gym/trainer` are symlinks to the top-level `envs/`
-and `trainer/` folders (see pyproject.toml); in an sdist they are real folders.
-The walk follows links, so both build the same wheel, and a new subpackage
-needs no edit here. The shipped data folders are declared as data-only
-packages, which is what setuptools expects of folders inside a package
-(otherwise it warns that they would be ignored); `py.typed` marks the package
-as typed (PEP 561).
+`relax_gym/` is the core; the top-level `envs/` and `trainer/` folders are `relax_gym.envs` and `relax_gym.trainer`.
+The shipped data folders (no `__init__.py`) are declared as data-only packages, which is what setuptools expects of
+folders inside a package (otherwise it warns that they would be ignored); `py.typed` marks the package as typed
+(PEP 561). The tests and scripts/typecheck.py read the layout through `package_folders` here: one home.
 """
 
 import os
+import tomllib
 from pathlib import Path
 
-from setuptools import setup
-
+ROOT = Path(__file__).resolve().parent
 PACKAGE = "relax_gym"
 
 
-def _packages() -> list[str]:
-    found = []
-    for folder, dirs, files in os.walk(PACKAGE, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        if "__init__.py" in files:
-            found.append(".".join(Path(folder).parts))
-    return sorted(found)
+def mapping() -> dict[str, Path]:
+    """Each mapped package name and its folder."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return {name: ROOT / folder for name, folder in tomllib.load(f)["tool"]["setuptools"]["package-dir"].items()}
 
 
-def _data_packages() -> dict[str, list[str]]:
-    data = Path(PACKAGE) / "envs" / "data"
-    folders = [data, *sorted(Path(f) for f, _, _ in os.walk(data, followlinks=True) if Path(f) != data)]
-    return {".".join(f.parts): ["*"] for f in folders if f.name != "__pycache__"}
+def package_folders() -> dict[str, Path]:
+    """Every folder of the layout by dotted name: the packages, and the data folders under them."""
+    found = {}
+    for name, root in mapping().items():
+        for folder, dirs, _ in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            found[".".join([name, *Path(folder).relative_to(root).parts])] = Path(folder)
+    return found
 
 
-DATA = _data_packages()
-setup(packages=_packages() + list(DATA), package_data={PACKAGE: ["py.typed"], **DATA})
+if __name__ == "__main__":
+    from setuptools import setup
+
+    folders = package_folders()
+    packages = sorted(name for name, folder in folders.items() if (folder / "__init__.py").is_file())
+    data = {name: ["*"] for name in sorted(folders) if name not in packages}
+    setup(packages=packages + list(data), package_data={PACKAGE: ["py.typed"], **data})

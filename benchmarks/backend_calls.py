@@ -38,6 +38,16 @@ TRANSPORTS = {
 }
 
 
+def importable(tree: Path, scratch: Path) -> Path:
+    """The folder that puts `tree`'s own package first on PYTHONPATH: the tree itself for a commit whose
+    `relax_gym/envs` and `relax_gym/trainer` were links, else its package laid out by scripts/package_tree.py."""
+    if (tree / "relax_gym" / "envs").exists():
+        return tree
+    made = subprocess.run([sys.executable, str(tree / "scripts" / "package_tree.py"), str(scratch), "--root",
+                           str(tree)], check=True, capture_output=True, text=True)
+    return Path(made.stdout.strip())
+
+
 def run(tree: Path, run_dir: Path, steps: int, transport: str) -> dict[str, float]:
     """One `relax-gym train` from `tree`'s source; the medians of its steady steps."""
     if run_dir.exists():
@@ -46,9 +56,10 @@ def run(tree: Path, run_dir: Path, steps: int, transport: str) -> dict[str, floa
                  "trainer.mode=sync", "trainer.max_staleness=0", f"trainer.total_steps={steps}",
                  "trainer.eval_every=0", f"trainer.checkpoint_every={steps}",
                  "algorithm.recompute_old_logprobs=true", *TRANSPORTS[transport]]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(importable(tree, run_dir.parent / "package"))}
     subprocess.run([sys.executable, "-m", "relax_gym.cli", "train", str(ROOT / "examples/configs/quickstart.yaml"),
-                    *overrides], check=True, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                    *overrides], check=True, cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = [r for r in rows if r["type"] == "train"][1:]
     return {"train_side_s": median(r["logprobs_s"] + r["train_s"] for r in steady),

@@ -1,7 +1,7 @@
 """GSM8K's own calculator steps as tool tasks: `relax/GSM8KSteps-v0`.
 
 GSM8K's annotators marked each calculation of a worked solution as `<<48/2=24>>`, the calls their calculator
-made. Each such step of the shipped rows (`relax_gym/envs/data/gsm8k/`, real GSM8K test rows, MIT) is a task
+made. Each such step of the shipped rows (`envs/data/gsm8k/`, real GSM8K test rows, MIT) is a task
 here: the question, then the step's line of the walkthrough with its result left out ("So he went 3*10=? miles"),
 to be worked out with the sandboxed `python` tool and answered in \\boxed{}. Graded against the annotation's
 result. The 70 training rows give 224 steps, the 30 held out 100, and every annotation's expression evaluates to

