@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from relax_gym.engines import decode_kernel
-from relax_gym.engines.decode_attention import grouped_matmuls
+from relax_gym.cpu import decode_kernel
+from relax_gym.cpu.decode_attention import grouped_matmuls
 
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
 

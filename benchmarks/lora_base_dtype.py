@@ -18,9 +18,9 @@ import time
 import torch
 from lora_vs_full import cpu_name
 
+from relax_gym.cpu.onednn_linear import use_onednn_linears
 from relax_gym.models import load_model
 from relax_gym.models.lora import LoraSpec, add_adapter
-from relax_gym.onednn_linear import use_onednn_linears
 
 
 def build(model: str, bf16_base: bool) -> torch.nn.Module:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from relax_gym import onednn_linear
-from relax_gym.onednn_linear import use_onednn_linears
+from relax_gym.cpu import onednn_linear
+from relax_gym.cpu.onednn_linear import use_onednn_linears
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 key/value heads of 64, MLP 1536, vocabulary 49152
 SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),

@@ -37,11 +37,11 @@ from gpu_path import engine_tokens_per_s, generate, train_samples
 from transformers.cache_utils import DynamicLayer
 
 from relax_gym import messages as M
-from relax_gym import onednn_linear
-from relax_gym.cpu_threads import release_openmp_workers
+from relax_gym.cpu import onednn_linear
+from relax_gym.cpu.process import prepare_process
+from relax_gym.cpu.threads import release_openmp_workers
 from relax_gym.engines import EmbeddedEngine, GenerateRequest, SamplingParams, continuous
 from relax_gym.models import LoadedModel, load_model, render_ids
-from relax_gym.native_heap import keep_large_blocks, share_one_heap
 from relax_gym.trainer.algorithms import AlgorithmConfig, make_loss_fn
 from relax_gym.trainer.backends.torch_backend import TorchBackend
 from relax_gym.trainer.batch import Sample
@@ -116,7 +116,7 @@ def copy_gb_per_s(megabytes: int = 512) -> float:
 
 def matmul_gflops(size: int = 2048) -> tuple[float, float]:
     """The fp32 matmul rates here, a size-square product, best of 5: torch's `@` (MKL) and oneDNN's (the engine's and
-    the trainer's linears, `relax_gym.onednn_linear`; the same as `@` where oneDNN does not apply)."""
+    the trainer's linears, `relax_gym.cpu.onednn_linear`; the same as `@` where oneDNN does not apply)."""
     a = torch.randn(size, size)
     routed = onednn_linear.onednn_available()
     rates = []
@@ -233,8 +233,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    share_one_heap()  # glibc's heaps as the CLI sets them, for both sides
-    keep_large_blocks()
+    prepare_process()  # glibc's heaps as the CLI sets them, for both sides
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     params = sum(p.numel() for p in loaded.model.parameters())
@@ -253,7 +252,7 @@ def main() -> None:
                 sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
                 requests = [GenerateRequest(row, replace(sampling, seed=i)) for i, row in enumerate(ids)]
                 theirs = hf_generate_tokens_per_s(loaded, ids, args.new_tokens, stop)
-                release_openmp_workers()  # each side computes alone, as in a run (`relax_gym.cpu_threads`)
+                release_openmp_workers()  # each side computes alone, as in a run (`relax_gym.cpu.threads`)
                 for dtype, engine in engines.items():
                     ours = asyncio.run(engine_tokens_per_s(engine, requests))
                     row = (f"| engine, {dtype} | {task}, N={n}, up to {args.new_tokens} new tokens | {ours:,.1f} "

@@ -16,9 +16,10 @@ import asyncio
 import sys
 import time
 
+from relax_gym.cpu.process import settle_heap
 from relax_gym.engines.base import GenerateOutput, GenerateRequest
 from relax_gym.models import load_model
-from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
+from relax_gym.rollout import RolloutLimits, RolloutManager
 
 TURNS = 4
 LEVELS = (1, 64, 256, 1024)

@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rollout_overhead
 from rollout_overhead import TURNS, FixedLatencyEngine
 
+from relax_gym.cpu.process import settle_heap
 from relax_gym.engines.base import Engine
 from relax_gym.models import load_model
-from relax_gym.rollout import RolloutLimits, RolloutManager, settle_heap
+from relax_gym.rollout import RolloutLimits, RolloutManager
 
 WORKERS = (1, 2, 4)
 ENV = "relax/GuessNumber-v0"

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from relax_gym import messages as M
+from relax_gym.cpu.process import prepare_process
 from relax_gym.engines import EmbeddedEngine, SamplingParams
 from relax_gym.engines.base import GenerateRequest
 from relax_gym.engines.vllm import VLLMEngine, launch_vllm_server
 from relax_gym.models import load_model, processor_inputs
-from relax_gym.native_heap import keep_large_blocks, share_one_heap
 
 TOPICS = ["a cat", "the sea", "a robot", "a lost key", "a storm", "an old map", "a garden", "a train", "a dragon",
           "a lighthouse", "a violin", "the moon", "a bakery", "a fox", "a river", "a snowman"]
@@ -97,8 +97,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--train-steps", type=int, default=6)
     args = parser.parse_args()
-    share_one_heap()  # the CLI's process settings (`relax_gym.cli.main`), so the embedded side runs as users run it
-    keep_large_blocks()
+    prepare_process()  # the CLI's process settings (`relax_gym.cli.main`), so the embedded side runs as users run it
     torch.set_num_threads(2)
     loaded = load_model(args.model, dtype=torch.float32)
     print(f"CPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; model {args.model}")

@@ -721,11 +721,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs a subcommand; a user error is one line and exit 2, a run that stopped one line and exit 1."""
+    from relax_gym.cpu.process import prepare_process
     from relax_gym.errors import RunStopped
-    from relax_gym.native_heap import keep_large_blocks, share_one_heap
 
-    share_one_heap()  # before any thread: the engine's and the trainer's threads reuse each other's freed memory
-    keep_large_blocks()  # a step's large temporaries are reused, not faulted back in each step
+    prepare_process()  # before any thread: one heap for the engine's and the trainer's threads, large blocks kept
 
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from relax_gym.cpu_threads import ThreadPlacement, check_cores
+from relax_gym.cpu.threads import ThreadPlacement, check_cores
 from relax_gym.errors import StartupError
 from relax_gym.models.lora import ALL_LINEAR, LoraSpec
 from relax_gym.rollout.config import RolloutConfig, StrictSection

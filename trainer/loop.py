@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from relax_gym.cpu_threads import release_openmp_workers
+from relax_gym.cpu.process import settle_heap
+from relax_gym.cpu.threads import release_openmp_workers
 from relax_gym.engines.base import EngineError, EngineUnavailableError, RequestError
 from relax_gym.engines.factory import make_engine
 from relax_gym.env.registration import resolve_env_id
@@ -41,7 +42,7 @@ from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import load_model
 from relax_gym.models.lora import write_adapter
 from relax_gym.models.moe_routing import experts_per_token
-from relax_gym.rollout import RolloutManager, settle_heap
+from relax_gym.rollout import RolloutManager
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
 from relax_gym.rollout.manager import ENGINE_UNAVAILABLE
 from relax_gym.rollout.metrics import reason_kind, reward_failures, status_breakdown

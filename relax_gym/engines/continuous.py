@@ -19,9 +19,7 @@ prefill, Qwen-VL's M-RoPE positions) or sliding-window layers keep static batchi
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -29,26 +27,16 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from relax_gym.models.forward_args import cache_argument, forward_parameters
+
 __all__ = ["RunningBatch", "left_padded", "shared_prefix", "supports_continuous_batching"]
-
-
-@functools.cache
-def _parameters(function: Callable[..., Any]) -> frozenset[str]:
-    """A function's parameter names, read once per function (a model class's `forward`)."""
-    return frozenset(inspect.signature(function).parameters)
-
-
-def cache_argument(model: PreTrainedModel) -> str | None:
-    """The name `model.forward` takes its KV cache by: `cache` since transformers 5.24, `past_key_values` before."""
-    params = _parameters(type(model).forward)
-    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def supports_continuous_batching(model: PreTrainedModel, has_processor: bool) -> bool:
     """Whether `model` can decode in a `RunningBatch`: text only, explicit positions, full-attention cache."""
     if has_processor or cache_argument(model) is None:
         return False
-    if not {"position_ids", "logits_to_keep"} <= _parameters(type(model).forward):
+    if not {"position_ids", "logits_to_keep"} <= forward_parameters(type(model).forward):
         return False
     cache = DynamicCache(config=model.config)
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)

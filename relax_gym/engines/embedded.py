@@ -56,7 +56,10 @@ from transformers import (
 )
 from transformers.core_model_loading import revert_weight_conversion
 
-from relax_gym.cpu_threads import ThreadPlacement, release_openmp_workers
+from relax_gym.cpu.decode_attention import use_decode_attention
+from relax_gym.cpu.onednn_linear import use_onednn_linears
+from relax_gym.cpu.process import prepare_process
+from relax_gym.cpu.threads import ThreadPlacement, release_openmp_workers
 from relax_gym.engines.base import (
     EngineError,
     FinishReason,
@@ -66,13 +69,11 @@ from relax_gym.engines.base import (
     SamplingParams,
 )
 from relax_gym.engines.continuous import RunningBatch, left_padded, supports_continuous_batching
-from relax_gym.engines.decode_attention import use_decode_attention
 from relax_gym.engines.resident_adapters import ResidentAdapters
 from relax_gym.engines.sampling import RowSampler, seeded_generators
 from relax_gym.models import LoadedModel, concat_media, encode_media
 from relax_gym.models.inputs import takes_token_types
 from relax_gym.models.moe_routing import recording, routers
-from relax_gym.onednn_linear import use_onednn_linears
 from relax_gym.video import Video, VideoError
 
 #: "continuous": requests join a running batch (text-only models); "static": one `generate` per batch
@@ -293,7 +294,9 @@ class EmbeddedEngine:
         """`device` (None: where the model is) moves `loaded.model` there, in bfloat16 on a GPU as SGLang serves
         bf16 checkpoints; `dtype` (None: that default, else the model's own) casts it. The engine owns the model
         from then on: it moves and casts it in place. On a CPU, continuous batching decodes with `decode_attention`
-        (torch's fused kernel is slower there)."""
+        (torch's fused kernel is slower there). The process gets the CLI's settings (`prepare_process`), before
+        the engine's thread starts."""
+        prepare_process()
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if batching not in ("continuous", "static"):

@@ -17,7 +17,7 @@ from relax_gym.engines.pushed_adapters import KEEP_ADAPTERS
 from relax_gym.engines.router import MEMBER_OUTAGE_TIMEOUT_S, MEMBER_RETRIES
 
 if TYPE_CHECKING:  # the embedded engine (and torch) is imported only when it is the one made
-    from relax_gym.cpu_threads import ThreadPlacement
+    from relax_gym.cpu.threads import ThreadPlacement
     from relax_gym.engines.embedded import Batching
 
 

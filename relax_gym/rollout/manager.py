@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,19 +42,6 @@ from relax_gym.trajectory import Status, Trajectory
 
 if TYPE_CHECKING:
     from relax_gym.rollout.agent_proxy import ProxyServer
-
-
-def settle_heap() -> None:
-    """Takes everything alive now (imported modules, models, tokenizers) out of the cyclic GC's reach.
-
-    A rollout process allocates many short-lived objects, and each full
-    collection would otherwise rescan the hundreds of thousands of long-lived
-    ones torch and transformers create (measured: 256 concurrent episodes'
-    overhead 8 % -> 2 %; see benchmarks/rollout_overhead.py). Process-wide, so
-    the CLI entry points call it once after loading models; library users may.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 #: the start of an aborted episode's reason when its engine stayed unreachable past the client's outage timeout

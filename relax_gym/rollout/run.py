@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from relax_gym.cpu.process import settle_heap
 from relax_gym.engines.factory import make_engine
 from relax_gym.env.registration import resolve_env_id
 from relax_gym.errors import RunStopped, StartupError
 from relax_gym.models import LoadedModel, load_model
 from relax_gym.rollout.config import RolloutConfig
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET, EvalReport, eval_report
-from relax_gym.rollout.manager import RolloutManager, settle_heap
+from relax_gym.rollout.manager import RolloutManager
 from relax_gym.rollout.metrics import status_breakdown, summarize
 from relax_gym.rollout.startup import EnvUse, check_run
 from relax_gym.trajectory import Trajectory, append_jsonl

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_gym.onednn_linear import onednn_available
+from relax_gym.cpu.onednn_linear import onednn_available
 
 ROOT = Path(__file__).resolve().parents[2]
 

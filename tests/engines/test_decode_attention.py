@@ -10,9 +10,9 @@ import torch
 from support.engines import chaotic_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from relax_gym.cpu.decode_attention import NAME, decode_attention, use_decode_attention
 from relax_gym.engines import GenerateRequest, SamplingParams, make_engine
 from relax_gym.engines.continuous import RunningBatch
-from relax_gym.engines.decode_attention import NAME, decode_attention, use_decode_attention
 from relax_gym.trainer.config import load_rollout_config
 
 

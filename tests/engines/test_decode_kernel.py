@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from relax_gym.engines import decode_kernel
-from relax_gym.engines.decode_attention import decode_attention, grouped_matmuls
+from relax_gym.cpu import decode_kernel
+from relax_gym.cpu.decode_attention import decode_attention, grouped_matmuls
 
 
 class _Heads(torch.nn.Module):
@@ -77,7 +77,7 @@ def test_without_a_compiler_it_says_so_once_and_the_matmuls_answer(monkeypatch, 
 def test_building_it_leaves_the_loading_threads_floating_point_alone():
     """Linked with `-ffast-math`, the library would turn on flush-to-zero in the thread that loads it, and every
     float op that thread runs after would lose its denormals (hypothesis refuses to run then)."""
-    code = ("import torch; from relax_gym.engines import decode_kernel; assert decode_kernel.build(2, 8); "
+    code = ("import torch; from relax_gym.cpu import decode_kernel; assert decode_kernel.build(2, 8); "
             "print(5e-324 * 1.0 > 0, (torch.tensor([1e-40]) * 1.0).item() > 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["True", "True"]

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from relax_gym import onednn_linear
+from relax_gym.cpu import onednn_linear
+from relax_gym.cpu.onednn_linear import OneDNNLinear, onednn_available, use_onednn_linears
 from relax_gym.models.tiny import build_tiny_text
-from relax_gym.onednn_linear import OneDNNLinear, onednn_available, use_onednn_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="oneDNN linears apply to x86 CPUs with oneDNN")
 

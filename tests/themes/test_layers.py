@@ -19,20 +19,20 @@ from support.layout import package_modules
 REPO = Path(__file__).resolve().parents[2]
 PKG = "relax_gym"
 
-FLOORS = ("records", "tools/models", "engines", "env API", "rollout", "trainer", "face", "cli")
+FLOORS = ("cpu", "records", "tools/models", "engines", "env API", "rollout", "trainer", "face", "cli")
 
 # Every module's floor: the longest dotted prefix of its name in this table wins. A new module no prefix covers
 # fails the test until it is placed here.
 FLOOR_OF: dict[str, str] = {
+    # cpu: the CPU speed work (process settings, thread placement, glibc's heap, oneDNN linears, the decode
+    # attention kernel); torch and transformers only, nothing of relax_gym's.
+    "relax_gym.cpu": "cpu",
     # records: the data every floor hands around (trajectories, messages, media, errors) and leaf helpers;
     # they import nothing of relax_gym but each other.
     "relax_gym.trajectory": "records",
     "relax_gym.messages": "records",
     "relax_gym.video": "records",
     "relax_gym.errors": "records",
-    "relax_gym.cpu_threads": "records",
-    "relax_gym.native_heap": "records",
-    "relax_gym.onednn_linear": "records",
     "relax_gym.version": "records",
     # the HTTP foundation under the four servers and their clients (guard, error shape, in-loop server, keys,
     # client helpers): it imports nothing of relax_gym but the errors, so every floor that serves or calls stands on it

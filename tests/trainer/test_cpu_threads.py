@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from relax_gym.cpu_threads import ThreadPlacement
+from relax_gym.cpu.threads import ThreadPlacement
 from relax_gym.engines import EmbeddedEngine
 from relax_gym.models import load_model
 from relax_gym.trainer.config import ConfigError, load_config
@@ -80,7 +80,7 @@ def test_a_thread_that_stops_computing_ends_its_openmp_workers():
     """libgomp keeps a thread's workers after a parallel op; released, they end, and the next op starts new ones."""
     import torch
 
-    from relax_gym.cpu_threads import _libgomp, release_openmp_workers
+    from relax_gym.cpu.threads import _libgomp, release_openmp_workers
 
     if _libgomp() is None:
         pytest.skip("this torch does not run on libgomp (not a Linux wheel)")

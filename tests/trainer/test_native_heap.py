@@ -7,7 +7,7 @@ import platform
 import subprocess
 import sys
 
-from relax_gym.native_heap import free_heap_bytes, keep_large_blocks, release_free_memory, share_one_heap
+from relax_gym.cpu.native_heap import free_heap_bytes, keep_large_blocks, release_free_memory, share_one_heap
 
 
 def _rss_mb() -> float:
@@ -36,7 +36,7 @@ def test_freed_blocks_go_back_to_the_os_only_when_many_are_free():
 
 _ARENAS = """
 import ctypes, sys, threading
-from relax_gym.native_heap import share_one_heap
+from relax_gym.cpu.native_heap import share_one_heap
 took = share_one_heap() if sys.argv[1] == "one" else False
 def allocate():
     blocks = [bytearray(64 * 1024) for _ in range(64)]  # under the mmap threshold: from the thread's heap
@@ -66,8 +66,14 @@ def test_one_heap_for_every_thread():
 
 _REUSE = """
 import resource, sys
-from relax_gym.native_heap import keep_large_blocks
+from relax_gym.cpu.native_heap import keep_large_blocks
 took = keep_large_blocks() if sys.argv[1] == "keep" else False
+if sys.argv[1] == "engine":  # a script's own engine: it applies the CLI's process settings itself
+    from relax_gym.engines.embedded import EmbeddedEngine
+    from relax_gym.models.loading import LoadedModel
+    from relax_gym.models.tiny import build_tiny_text
+    model, tokenizer = build_tiny_text()
+    EmbeddedEngine(LoadedModel(model, tokenizer, None, ("text",), "tiny"))
 def faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step() -> None:  # a decode step's temporaries: logits, probabilities, their running sums
@@ -97,4 +103,6 @@ def test_large_blocks_freed_in_a_step_are_reused_by_the_next_without_faulting():
     assert took == "False" and int(default_faults) > 3 * 12 * 2**20 // 4096 // 2  # most pages fault again
     took, kept_faults = run("keep")
     assert took == "True" and int(kept_faults) < 100
+    _, engine_faults = run("engine")  # `EmbeddedEngine` calls `prepare_process`, as the CLI's main does
+    assert int(engine_faults) < 100
     assert run("keep", MALLOC_MMAP_THRESHOLD_="1048576")[0] == "False"

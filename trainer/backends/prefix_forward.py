@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from relax_gym.engines.continuous import cache_argument
+from relax_gym.models.forward_args import cache_argument
 from relax_gym.trainer.backends.base import pad_rows
 
 #: a micro-batch takes the shared-prefix forward when it saves at least this many token positions: below it the

@@ -29,7 +29,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing  # registers the shared-memory tensor reductions with ForkingPickler
 
-from relax_gym.cpu_threads import ThreadPlacement
+from relax_gym.cpu.threads import ThreadPlacement
 from relax_gym.errors import RunStopped
 from relax_gym.trainer.backends.forwarding import Forwarder, answer
 

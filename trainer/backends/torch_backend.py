@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from transformers import set_seed
 
+from relax_gym.cpu.native_heap import release_free_memory
+from relax_gym.cpu.onednn_linear import use_onednn_linears
+from relax_gym.cpu.process import prepare_process
 from relax_gym.engines.continuous import supports_continuous_batching
 from relax_gym.models import MEDIA_KEYS, LoadedModel, concat_media, sequence_inputs
 from relax_gym.models.loading import save_model
@@ -42,8 +45,6 @@ from relax_gym.models.lora import (
     save_adapter,
 )
 from relax_gym.models.moe_routing import batch_routes, replaying, routers
-from relax_gym.native_heap import release_free_memory
-from relax_gym.onednn_linear import use_onednn_linears
 from relax_gym.trainer.backends.base import (
     LogprobOutput,
     attach_old_logprobs,
@@ -256,6 +257,7 @@ class TorchBackend:
     ) -> None:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+        prepare_process()  # the CLI's heap settings, for a script that builds a backend too
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if dtype == torch.float16:

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from relax_gym.cpu.process import prepare_process, settle_heap
 from relax_gym.engines.base import Engine, GenerateOutput, GenerateRequest, SamplingParams
 from relax_gym.engines.embedded import EmbeddedEngine, engine_device, engine_dtype
 from relax_gym.engines.pushed_adapters import PushedAdapters
@@ -26,7 +27,7 @@ from relax_gym.engines.router import EngineRouter
 from relax_gym.engines.sglang import SGLangEngine
 from relax_gym.env.registration import resolve_env_id
 from relax_gym.rollout.evaluation import EVAL_SEED_OFFSET
-from relax_gym.rollout.manager import RolloutManager, settle_heap
+from relax_gym.rollout.manager import RolloutManager
 from relax_gym.trainer.backends.forwarding import answer
 from relax_gym.trainer.config import TrainConfig
 from relax_gym.trajectory import Trajectory
@@ -75,6 +76,7 @@ class EngineService:
     def __init__(self, engine_id: str, cfg: TrainConfig, fault: dict[str, int] | None = None):
         from relax_gym.trainer.policy import load_policy
 
+        prepare_process()
         self.engine_id = engine_id
         self.engine = EmbeddedEngine(load_policy(cfg), max_batch_size=cfg.rollout.engine_max_batch_size,
                                      seed=cfg.seed, batching=cfg.rollout.engine_batching,
@@ -226,6 +228,7 @@ class RolloutWorker:
     def __init__(self, worker_id: str, cfg: TrainConfig, *, engine_wait_s: float):
         from relax_gym.trainer.policy import load_policy
 
+        prepare_process()
         self.worker_id = worker_id
         for env in cfg.envs:  # an env given as file.py or module registers its ids in this process too
             resolve_env_id(env.id)
@@ -293,6 +296,7 @@ class TrainerRank:
     `{"hang_at_step": n}` never answers."""
 
     def __init__(self, cfg: TrainConfig, fault: dict[str, int] | None = None):
+        prepare_process()
         self.cfg = cfg
         self.fault = dict(fault or {})
         self.rank = 0

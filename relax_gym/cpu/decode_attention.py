@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from relax_gym.engines import decode_kernel
+from relax_gym.cpu import decode_kernel
 
 NAME = "relax_gym_decode"
 
