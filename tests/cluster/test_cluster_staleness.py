@@ -25,6 +25,7 @@ from support.cluster import (  # noqa: E402
     engine_with_latency,
     events,
     records,
+    restarted,
     train_cluster,
 )
 
@@ -197,3 +198,23 @@ def test_no_live_engine_for_too_long_aborts_the_episodes_and_stops_the_run(ray_c
     assert [r["step"] for r in records(run_dir)] == [1]
     dead = [e for e in events(run_dir) if e["event"] == "engine_dead"]
     assert sorted(e["engine_id"] for e in dead) == ["engine-0", "engine-1"], events(run_dir)
+
+
+def test_an_engine_whose_first_token_outlasts_the_probe_timeout_still_starts_and_restarts(ray_cluster, tmp_path,
+                                                                                          monkeypatch):
+    """A cold engine's first token on a loaded machine can take longer than `health.probe_timeout_s` (2 s here):
+    its start must wait for it, at the run's start and when the engine is recreated. (A start that probed with the
+    serving timeout failed there: under CI load every restart failed, the episodes waited `engine_wait_s` for a
+    live engine, and the run looked hung.)"""
+    monkeypatch.setattr(fleet_module, "EngineService", engine_with_latency(cold_start_s=3.0))
+    run_dir = tmp_path / "run"
+
+    async def kill_one(run: ClusterTrainer) -> None:
+        if run.step == 1:
+            ray.kill(run.fleet.slots["engine-0"].actor)
+            await restarted(run, "engine-0")
+
+    train_cluster(config(run_dir, *CHEAP, "trainer.total_steps=2"), on_step=kill_one)
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
+    kinds = Counter(e["event"] for e in events(run_dir))
+    assert kinds["engine_restarted"] == 1 and not kinds["engine_restart_failed"], events(run_dir)

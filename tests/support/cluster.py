@@ -99,13 +99,14 @@ def assert_exactly_once(run_dir: Path, group_size: int = GROUP_SIZE) -> None:
 
 def engine_with_latency(max_delay_s: float = 0.0, *, hold_until_version: int | None = None,
                         hold_seeds: frozenset[int] = frozenset(), hold_timeout_s: float = 60.0,
-                        stop: tuple[str, ...] = ()) -> type:
+                        stop: tuple[str, ...] = (), cold_start_s: float = 0.0) -> type:
     """An `EngineService` for timing-dependent tests, to install as `relax_gym.trainer.cluster.fleet.EngineService`
     (monkeypatch); made in here, so Ray ships it by value to the engine processes (this folder is not on their
     path). It waits a random 0..`max_delay_s` inside each request (counted in flight, as a slow engine's wait
     would be). With `hold_until_version=v`, it holds every request past the first turn of an episode of the tasks
     seeded `hold_seeds` until it has loaded version v (at most `hold_timeout_s`): v's publication then lands
-    inside those episodes. `stop` strings end every turn (as `SamplingParams.stop`)."""
+    inside those episodes. `stop` strings end every turn (as `SamplingParams.stop`). `cold_start_s` delays each
+    engine process's first probe, as a cold engine's first token on a loaded machine is slow."""
     import dataclasses
     import random
 
@@ -127,5 +128,11 @@ def engine_with_latency(max_delay_s: float = 0.0, *, hold_until_version: int | N
                 while self.engine.weight_version < hold_until_version and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)
             return await super().generate(request)
+
+        async def probe(self) -> bool:
+            if not getattr(self, "probed", False):
+                self.probed = True
+                await asyncio.sleep(cold_start_s)
+            return await super().probe()
 
     return LatencyEngine
