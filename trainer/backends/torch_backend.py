@@ -54,6 +54,7 @@ from relax_gym.trainer.backends.base import (
     set_rng_states,
 )
 from relax_gym.trainer.backends.hf_folder import load_hf_weights
+from relax_gym.trainer.backends.logprob_kernel import token_logprobs
 from relax_gym.trainer.backends.prefix_forward import (
     Run,
     forward_shared,
@@ -64,76 +65,9 @@ from relax_gym.trainer.backends.prefix_forward import (
 from relax_gym.trainer.batch import LossFn, MicroBatch, Sample
 from relax_gym.trainer.safe_load import safe_load, safe_save
 
-#: Elements of one fp32 [rows, V] working chunk in `token_logprobs` (128 MiB): bounds the extra
-#: memory beyond the logits themselves, whatever the vocabulary and sequence length.
-CHUNK_ELEMENTS = 2**25
-
 _OPTIMIZER_FILE, _STATE_FILE = "optimizer.pt", "trainer_state.pt"
 #: the weights of a checkpoint written before checkpoints were model folders, under in-memory names
 _LEGACY_MODEL_FILE = "model.safetensors"
-
-
-class _TokenLogprobs(torch.autograd.Function):
-    """Per-row log p(target) and entropy of softmax(logits / temperature), chunked over rows.
-
-    Autograd through `log_softmax` would keep a full [N, V] fp32 copy per op for
-    the backward pass. This keeps only the logits and per-row statistics and
-    recomputes each chunk's softmax in backward, so the only [N, V] tensors ever
-    alive are the logits and, in backward, their gradient.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = logits.shape[0]
-        lse = logits.new_empty(rows, dtype=compute_dtype(logits))
-        logprobs = torch.empty_like(lse)
-        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
-        for start in range(0, rows, chunk_rows):
-            chunk = slice(start, start + chunk_rows)
-            logp = scaled_logits(logits[chunk], temperature)
-            lse[chunk] = torch.logsumexp(logp, dim=-1)
-            # Clamping -inf logits (masked vocabulary) keeps 0 * log 0 at 0 rather than NaN.
-            logp.sub_(lse[chunk, None]).clamp_(min=torch.finfo(logp.dtype).min)
-            logprobs[chunk] = logp.gather(-1, targets[chunk, None]).squeeze(-1)
-            if with_entropy:
-                entropy[chunk] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.chunk_rows = temperature, with_entropy, chunk_rows
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits, targets, lse, entropy = ctx.saved_tensors
-        grad = logprob_grad(logits, targets, None, lse, entropy, grad_logprobs,
-                            grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.chunk_rows)
-        return grad, None, None, None, None
-
-
-def logprob_grad(logits: torch.Tensor, targets: torch.Tensor, here: torch.Tensor | None, lse: torch.Tensor,
-                 entropy: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
-                 temperature: float, chunk_rows: int) -> torch.Tensor:
-    """d(grad_logprobs · log p_target + grad_entropy · H) / d logits for rows of logits [N, V] under
-    softmax(logits / T), each chunk's softmax recomputed from its row's log-sum-exp `lse` (and entropy `H`).
-
-    d log p_y / dz = onehot(y) - p and d H / dz = -p (log p + H), with `p log p` as `xlogy(p, p)`: 0 where a
-    masked logit makes p 0, so no 0 * -inf turns the gradient NaN. The logits may be one rank's slice of the
-    vocabulary, `targets` indices into it and `here` whether each row's target is in it (None: all are);
-    `lse` and `H` are then the whole vocabulary's, and the gradient needs nothing else from other ranks."""
-    grad = torch.empty_like(logits)
-    for start in range(0, logits.shape[0], chunk_rows):
-        chunk = slice(start, start + chunk_rows)
-        p = scaled_logits(logits[chunk], temperature).sub_(lse[chunk, None]).exp_()
-        g_lp = grad_logprobs[chunk, None]
-        if grad_entropy is None:
-            g_z = p.mul_(-g_lp)
-        else:
-            g_z = (torch.special.xlogy(p, p).add_(p * entropy[chunk, None]).mul_(-grad_entropy[chunk, None])
-                   .sub_(p.mul_(g_lp)))
-        g_z.scatter_add_(-1, targets[chunk, None], g_lp if here is None else g_lp * here[chunk, None])
-        grad[chunk] = g_z.div_(temperature)
-    return grad
 
 
 def enable_tf32(device: torch.device) -> None:
@@ -142,54 +76,6 @@ def enable_tf32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-
-def compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16 / fp16 logits (log-probabilities need it), else the logits' own (fp64 stays fp64)."""
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
-def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh copy of `logits / temperature` in the compute dtype, safe to modify in place."""
-    return logits.to(compute_dtype(logits)).div(temperature)
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    temperature: float = 1.0,
-    *,
-    with_entropy: bool = False,
-    chunk_rows: int | None = None,
-    columns: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log p(token t | < t) under softmax(logits / temperature), and that distribution's entropy.
-
-    `logits` [B, T, V] come from a forward over `input_ids` [B, T]; row t predicts
-    token t + 1, so outputs are shifted right by one and position 0 (no context) is 0,
-    the alignment of `Trajectory.rollout_logprobs`. With `columns` [K] (ascending positions
-    < T - 1), `logits` [B, K, V] are those positions' only, as a forward with
-    `logits_to_keep=columns` returns them, and the outputs are 0 everywhere else: a training
-    step needs only the trained tokens, and on a small model the vocabulary projection and its
-    softmax over every position cost as much as the rest of the model. fp32 (fp64 for fp64
-    logits) whatever the logits' dtype. Differentiable; see `_TokenLogprobs` for why it is not
-    `log_softmax` + `gather`.
-    """
-    batch, length = input_ids.shape
-    vocab = logits.shape[-1]
-    # without columns the last position's target is never used (it wraps around)
-    targets = input_ids.roll(-1, dims=1) if columns is None else input_ids[:, columns + 1]
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // vocab)
-    logprobs, entropy = _TokenLogprobs.apply(logits.reshape(-1, vocab), targets.reshape(-1), temperature,
-                                             with_entropy, rows)
-
-    def aligned(per_row: torch.Tensor) -> torch.Tensor:
-        per_row = per_row.view(batch, -1)
-        if columns is None:
-            return F.pad(per_row[:, :-1], (1, 0))
-        return per_row.new_zeros(batch, length).index_copy(1, columns + 1, per_row)
-
-    return aligned(logprobs), aligned(entropy) if with_entropy else None
 
 
 def trained_columns(loss_masks: Sequence[Sequence[int]], width: int) -> torch.Tensor:

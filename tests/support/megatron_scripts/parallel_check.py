@@ -40,9 +40,9 @@ def main() -> None:
     hf_model = load_model(args.model).model.eval()
     import_s = time.perf_counter() - t0
     if args.logprob_chunk_rows:
-        from relax_gym.trainer.backends.megatron import vocab_logprobs
+        from relax_gym.trainer.backends import logprob_kernel
 
-        vocab_logprobs.CHUNK_ELEMENTS = args.logprob_chunk_rows * hf_model.config.vocab_size // args.tp
+        logprob_kernel.CHUNK_ELEMENTS = args.logprob_chunk_rows * hf_model.config.vocab_size // args.tp
 
     def make_backend() -> MegatronBackend:
         return MegatronBackend(hf_model, tp=args.tp, pp=args.pp, ep=args.ep, lr=LR, weight_decay=WEIGHT_DECAY,
