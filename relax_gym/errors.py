@@ -27,7 +27,7 @@ defines it and, in brackets, a shorter path that re-exports it
           ExportError               relax_gym.trainer.export
           LoraError                 relax_gym.models.lora  (a trainer.lora setting or an adapter that does not fit)
           ModelLoadError            relax_gym.models.loading [relax_gym.models]
-        BadRequest                  relax_gym.engines.server  (the HTTP server answers 400)
+        BadRequest                  relax_gym.engines.server_schemas  (the HTTP server answers 400)
         ChatTemplateError           relax_gym.models.inputs [relax_gym.models]
         DatasetError                relax_gym.envs.datasets
         GGUFError                   relax_gym.models.gguf_checkpoint  (load_model says it as a ModelLoadError)

@@ -223,8 +223,8 @@ def from_chat(completion: dict[str, Any], body: ResponsesIn) -> dict[str, Any]:
 
 def respond(answer: Any, body: ResponsesIn) -> Any:
     """What a `/v1/responses` route answers: the chat path's refusal (a `Response`) as it is, else the Responses
-    object of its completion, as server-sent events when `body` streams. The agent proxy and `relax-gym serve`
-    both answer through this."""
+    object of its completion, as server-sent events when `body` streams (`openai_routes`' `/v1/responses`, which the
+    agent proxy and `relax-gym serve` both answer)."""
     from fastapi.responses import Response, StreamingResponse
 
     if isinstance(answer, Response):

@@ -23,6 +23,8 @@ import numpy as np
 import soundfile
 from PIL import Image
 
+from relax_gym.engines.base import RequestError
+from relax_gym.engines.server_limits import ServerLimits
 from relax_gym.video import Video, VideoError, read_video
 
 #: image formats decoded at all: PIL's many rarer decoders are attack surface no VLM client needs
@@ -131,20 +133,24 @@ def not_taken(model: str, modalities: tuple[str, ...], kind: str) -> str:
     return f"model {model!r} takes {'text only' if modalities == ('text',) else ', '.join(modalities)}, not {kind}"
 
 
-def image_reader(model: str, modalities: tuple[str, ...], *, max_pixels: int, max_items: int,
-                 max_bytes: int) -> Callable[[str, str], Image.Image]:
-    """One request's reader of chat `image_url` parts (`reader(url, where)`): refused for a model that takes no
-    images before any decoding, past `max_items` images, and past `max_bytes` decoded over the request's images."""
-    budget = MediaBudget(max_bytes)
+def image_reader(model: str, modalities: tuple[str, ...], limits: ServerLimits) -> Callable[[str, str], Image.Image]:
+    """One chat request's reader of `image_url` parts (`reader(url, where)`), under `limits`: refused for a model that
+    takes no images before any decoding, past `max_media_items` images, and past `max_media_bytes` decoded over the
+    request's images. A refusal is the request's error (`RequestError`, a 400 naming the part), never the server's:
+    `relax-gym serve` and the agent proxy both read a chat's images through this."""
+    budget = MediaBudget(limits.max_media_bytes)
     count = 0
 
     def read(url: str, where: str) -> Image.Image:
         nonlocal count
         if "image" not in modalities:
-            raise MediaError(f"{where}: {not_taken(model, modalities, 'images')}")
+            raise RequestError(f"{where}: {not_taken(model, modalities, 'images')}")
         count += 1
-        if count > max_items:
-            raise MediaError(f"{where}: more than {max_items} images in one request (max_media_items)")
-        return decode_image(url, where, max_pixels=max_pixels, budget=budget)
+        if count > limits.max_media_items:
+            raise RequestError(f"{where}: more than {limits.max_media_items} images in one request (max_media_items)")
+        try:
+            return decode_image(url, where, max_pixels=limits.max_image_pixels, budget=budget)
+        except MediaError as err:
+            raise RequestError(str(err)) from None
 
     return read

@@ -32,25 +32,21 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 
 from relax_gym.engines.base import Engine, RequestError, SamplingParams, request_seed
 from relax_gym.engines.openai_api import (
     ChatCompletionIn,
     choice_of,
     offered_tools,
-    stream_events,
     text_chars,
     to_messages,
 )
-from relax_gym.engines.responses_api import ResponsesIn, respond, to_chat
 from relax_gym.engines.server_limits import ServerLimits
-from relax_gym.engines.server_media import MediaError, image_reader
+from relax_gym.engines.server_media import image_reader
 from relax_gym.models import LoadedModel
 from relax_gym.models.moe_routing import request_routes
 from relax_gym.rollout.config import RolloutLimits
@@ -142,7 +138,8 @@ class AgentProxy:
 
     def _chain(self, session: AgentSession, body: ChatCompletionIn) -> Chain:
         sent, tools = _plain(body.messages), offered_tools(body)
-        _image = _image_reader(self.loaded)  # one call's images: the model's modalities, the item cap, one budget
+        # one call's images, bounded as `relax-gym serve` bounds a request's: the model's modalities, the item cap
+        _image = image_reader(self.loaded.name, self.loaded.modalities, ServerLimits())
         for chain in reversed(session.chains):
             known = len(chain.request)
             if (tools == chain.tools and len(sent) > known + 1 and sent[:known] == chain.request
@@ -211,11 +208,12 @@ class AgentProxy:
                           "total_tokens": len(request.input_ids) + len(out.output_ids)}}
 
     def app(self) -> Any:
-        """The ASGI app: /s/{session}/v1/chat/completions, /s/{session}/v1/responses and /s/{session}/v1/models,
-        behind the proxy's key."""
-        from fastapi import FastAPI
-        from fastapi.responses import Response, StreamingResponse
+        """The ASGI app: /s/{session}/v1/chat/completions, /s/{session}/v1/responses and /s/{session}/v1/models
+        (`openai_routes`, as `relax-gym serve` answers them), behind the proxy's key."""
+        from fastapi import FastAPI, Request
+        from fastapi.responses import Response
 
+        from relax_gym.engines.openai_routes import openai_router
         from relax_gym.web.errors import error_response, install_error_handlers
         from relax_gym.web.guard import Guard
 
@@ -226,7 +224,10 @@ class AgentProxy:
         async def _bad(request: Any, exc: RequestError) -> Any:
             return error_response(400, str(exc))
 
-        async def completed(sid: str, body: ChatCompletionIn) -> dict[str, Any] | Response:
+        async def completed(body: ChatCompletionIn, request: Request) -> dict[str, Any] | Response:
+            """The call of the session the path names, recorded (`complete`); a failure that is not the call's own
+            is the session's error, which the agent hears too."""
+            sid = request.path_params["sid"]
             try:
                 return await self.complete(sid, body)
             except RequestError:
@@ -236,44 +237,13 @@ class AgentProxy:
                     self.sessions[sid].error = f"{type(err).__name__}: {err}"
                 return error_response(500, f"{type(err).__name__}: {err}")
 
-        @app.post("/s/{sid}/v1/chat/completions")
-        async def chat(sid: str, body: ChatCompletionIn) -> Any:
-            answer = await completed(sid, body)
-            if body.stream and not isinstance(answer, Response):
-                return StreamingResponse(stream_events(answer), media_type="text/event-stream")
-            return answer
-
-        @app.post("/s/{sid}/v1/responses")
-        async def responses(sid: str, body: ResponsesIn) -> Any:
-            """The Responses API as a chat completion: the same call, recorded the same way."""
-            return respond(await completed(sid, to_chat(body)), body)
-
-        @app.get("/s/{sid}/v1/models")
-        async def models(sid: str) -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.loaded.name, "object": "model", "created": 0,
-                                                "owned_by": "relax-gym"}]}
-
+        app.include_router(openai_router(completed, lambda: [{"id": self.loaded.name}], prefix="/s/{sid}"))
         return Guard(app, api_key=self.api_key, max_body_bytes=bounds.AGENT_PROXY.max_body_bytes,
                      key_hint="the key the rollout manager gave the agent's client")
 
 
 def replace_messages(body: ChatCompletionIn, messages: list[dict[str, Any]]) -> ChatCompletionIn:
     return body.model_copy(update={"messages": [type(body.messages[0]).model_validate(m) for m in messages]})
-
-
-def _image_reader(loaded: LoadedModel) -> Callable[[str, str], Image.Image]:
-    """One call's reader of `image_url` parts, bounded as `relax-gym serve` bounds a request's images."""
-    limits = ServerLimits()
-    read = image_reader(loaded.name, loaded.modalities, max_pixels=limits.max_image_pixels,
-                        max_items=limits.max_media_items, max_bytes=limits.max_media_bytes)
-
-    def image(url: str, where: str) -> Image.Image:
-        try:
-            return read(url, where)
-        except MediaError as err:
-            raise RequestError(str(err)) from None
-
-    return image
 
 
 class ProxyServer:

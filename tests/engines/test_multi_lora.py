@@ -300,7 +300,7 @@ def test_serve_loads_its_lora_paths_at_start_and_stops_in_one_line_on_one_that_d
     """`relax-gym serve --lora-paths NAME=FOLDER ...` (SGLang's flag): loaded before it serves; a malformed entry or
     a folder that is no adapter stops it with exit 2 and one line naming it, before anything listens."""
     from relax_gym.cli import main
-    from relax_gym.engines.server import load_adapters
+    from relax_gym.engines.server_adapters import load_adapters
     from relax_gym.errors import StartupError
 
     assert main(["serve", "--lora-paths", f"a={adapters['a']}", f"a={adapters['b']}"]) == 2

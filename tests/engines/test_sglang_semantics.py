@@ -23,7 +23,7 @@ from support.fake_sglang_server import FLUSHED, NOT_FLUSHED, sglang_app
 from relax_gym import messages as M
 from relax_gym.engines import EngineError, RequestError, SamplingParams, SGLangEngine, tensor_ipc
 from relax_gym.engines.embedded import EmbeddedEngine
-from relax_gym.engines.server import NO_SESSION, SESSION_OPEN
+from relax_gym.engines.server_weights import NO_SESSION, SESSION_OPEN
 from relax_gym.engines.sglang import PAUSE_ABORTED, PAUSE_ABORTED_QUEUED, SESSIONS_SINCE, release
 from relax_gym.models import LoadedModel, load_model, processor_inputs
 from relax_gym.models.inputs import at_model_rate
