@@ -6,6 +6,7 @@ and a wheel built from the sdist (what pip does with one) holds the same files a
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,9 +18,16 @@ from support.layout import package_folders, package_modules
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _clean_build_folder() -> None:
+    """setuptools builds a wheel from everything in build/lib, and leaves there what earlier builds copied: a
+    module since moved or removed would ship in the next wheel built from this tree."""
+    shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    _clean_build_folder()
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(ROOT)],
         check=True, capture_output=True, timeout=600,
@@ -31,6 +39,7 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def wheel_from_sdist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    _clean_build_folder()
     subprocess.run(  # without --wheel or --sdist, build makes the sdist, then the wheel from it
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
         check=True, capture_output=True, timeout=600,

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from relax_gym.cli import main
-from relax_gym.control_client import CONTROL_TOKEN_ENV
 from relax_gym.trainer.cluster.control_api import ControlServer, create_control_app, resolve_control_token
+from relax_gym.trainer.cluster.control_client import CONTROL_TOKEN_ENV
 from relax_gym.trainer.cluster.scale import EngineState, EngineView, ScaleManager
 
 TOKEN = "sesame"

@@ -52,9 +52,8 @@ FLOOR_OF: dict[str, str] = {
     # rollout: episodes of envs against an engine: the rollout manager, its runs and checks, agent episodes and
     # the proxy they are recorded through.
     "relax_gym.rollout": "rollout",
-    # trainer: the RL trainer (algorithms, backends, loop, cluster) and the client of a run's control API.
+    # trainer: the RL trainer (algorithms, backends, loop, cluster, the control API and its client).
     "relax_gym.trainer": "trainer",
-    "relax_gym.control_client": "trainer",
     # face: `relax_gym/__init__.py`, the public API (exact match only, not a prefix). It re-exports from any floor
     # below the CLI, so it sits just under it: a module inside the package imports the module that defines a
     # name, never the face, which would run the env registration and pull in every env API module with it.
@@ -65,7 +64,7 @@ FLOOR_OF: dict[str, str] = {
 }
 
 # The core is everything outside relax_gym.trainer and relax_gym.envs, but the CLI: it sits above the trainer and
-# its `train` command must reach it (lazily). This rule adds to the floors' for the face and the control client.
+# its `train` command must reach it (lazily). This rule adds to the floors' for the face.
 TRAINER = "relax_gym.trainer"
 MAY_IMPORT_TRAINER = ("relax_gym.trainer", "relax_gym.envs", "relax_gym.cli")
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax_gym.control_client import CONTROL_FILE, TOKEN_FILE
+from relax_gym.trainer.cluster.control_client import CONTROL_FILE, TOKEN_FILE
 from relax_gym.trainer.cluster.scale import (
     DEFAULT_DRAIN_TIMEOUT_S,
     EngineFleet,

@@ -1,8 +1,9 @@
 """The client side of a training run's control API (`relax-gym cluster ...`): where its server is, its token, calls.
 
-Only httpx: talking to a run needs neither the trainer nor Ray. The server (`relax_gym.trainer.cluster.control_api`)
-writes `control.json` (its URL) and, when it generated the token, `control_token` into the run folder; this module
-reads them back, so `--run-dir` is all an operator on the same machine needs.
+Only httpx: talking to a run needs neither the trainer's modules nor Ray (the `__init__` files above this one import
+nothing). The server (`control_api`, beside it) writes `control.json` (its URL) and, when it generated the token,
+`control_token` into the run folder; this module reads them back, so `--run-dir` is all an operator on the same
+machine needs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ TOKEN_FILE = "control_token"
 CONTROL_FILE = "control.json"
 #: states after which an operation's record no longer changes
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+#: each `relax-gym cluster` action's method and path (`ControlClient.call`); `op` is `ops` given an operation's id
+ROUTES: dict[str, tuple[str, str]] = {
+    "status": ("GET", "/v1/status"), "engines": ("GET", "/v1/engines"), "ops": ("GET", "/v1/ops"),
+    "op": ("GET", "/v1/ops/{op_id}"), "scale-out": ("POST", "/v1/engines/scale_out"),
+    "scale-in": ("POST", "/v1/engines/scale_in"), "cancel": ("POST", "/v1/ops/{op_id}/cancel"),
+}
 
 
 def locate(run_dir: str | os.PathLike[str] | None, url: str | None, token: str | None) -> tuple[str, str]:
@@ -85,12 +92,28 @@ class ControlClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._http.post(path, json=body, headers=headers)
 
+    def call(self, action: str, op_id: str | None = None, body: dict[str, Any] | None = None,
+             idempotency_key: str | None = None) -> httpx.Response:
+        """One action by its name in ROUTES, so the CLI's action names are the API's; a POST's body leaves out its
+        None values (the server's defaults apply)."""
+        method, path = ROUTES["op" if action == "ops" and op_id else action]
+        path = path.format(op_id=op_id)
+        if method == "GET":
+            return self.get(path)
+        return self.post(path, {k: v for k, v in (body or {}).items() if v is not None}, idempotency_key)
+
+    @staticmethod
+    def started_op(response: httpx.Response) -> str | None:
+        """The id of the operation a successful answer started (a scale's), else None: what `wait` follows."""
+        record = response.json() if response.is_success else None
+        return str(record["op_id"]) if isinstance(record, dict) and "op_id" in record else None
+
     def wait(self, op_id: str, poll_s: float = 0.25,
              on_state: Callable[[dict[str, Any]], None] | None = None) -> httpx.Response:
         """Polls the operation until its state is terminal (or an answer is not 200); `on_state` sees each change."""
         seen = None
         while True:
-            response = self.get(f"/v1/ops/{op_id}")
+            response = self.call("op", op_id)
             if response.status_code != 200:
                 return response
             record = response.json()
