@@ -152,7 +152,7 @@ def test_a_failing_worker_answers_every_caller_and_reports_unhealthy(chaotic, mo
     async def scenario() -> tuple[list, bool]:
         engine = EmbeddedEngine(chaotic)
         # the decode step's bookkeeping, not a request's admission (whose errors fail that request alone)
-        monkeypatch.setattr(engine, "_advance", broken)
+        monkeypatch.setattr(engine._scheduler, "_advance", broken)
         calls = [engine.generate(GenerateRequest([5 + i, 6], SamplingParams(max_new_tokens=8))) for i in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
         healthy = await engine.health()

@@ -512,9 +512,10 @@ def _held_by_a_paused_server(served, n: int, held: int, **client_kwargs) -> tupl
         await client.pause()
         try:
             calls = [asyncio.create_task(client.generate(GenerateRequest([5, i], tiny))) for i in range(n)]
-            await _until(lambda: len(engine._jobs) >= held or any(c.done() for c in calls), f"{held} queued requests")
+            jobs = engine._queue.jobs
+            await _until(lambda: len(jobs) >= held or any(c.done() for c in calls), f"{held} queued requests")
             await asyncio.sleep(0.5)
-            queued = len(engine._jobs)
+            queued = len(jobs)
         finally:
             await client.resume()
         return queued, await asyncio.gather(*calls)

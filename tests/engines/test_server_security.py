@@ -480,7 +480,7 @@ def test_a_client_that_goes_away_frees_the_server(patient):
     url, engine = patient
     with pytest.raises(httpx.ReadTimeout):  # the client gives up on a request that would run for minutes
         post(f"{url}/generate", json=LONG, timeout=1.0)
-    _until(lambda: _pending(url) == 0 and not engine._busy, "the abandoned request is still running")
+    _until(lambda: _pending(url) == 0 and not engine._queue.busy, "the abandoned request is still running")
 
 
 def test_a_full_queue_answers_503_with_retry_after(patient):

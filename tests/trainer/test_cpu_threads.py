@@ -108,10 +108,11 @@ def test_the_engine_worker_and_the_thread_that_built_it_let_their_workers_go(mon
     """The engine's thread when it goes idle, and the building thread once the worker computes (`cpu_threads`)."""
     import asyncio
 
-    from relax_gym.engines import GenerateRequest, SamplingParams, embedded
+    from relax_gym.engines import GenerateRequest, SamplingParams, embedded, scheduler
 
     callers: list[str] = []
-    monkeypatch.setattr(embedded, "release_openmp_workers", lambda: callers.append(threading.current_thread().name))
+    for module in (embedded, scheduler):  # the builder's call, and the worker's
+        monkeypatch.setattr(module, "release_openmp_workers", lambda: callers.append(threading.current_thread().name))
     engine = EmbeddedEngine(load_model("tiny"))
 
     def worker_calls(count: int) -> None:
