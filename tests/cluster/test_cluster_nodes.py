@@ -72,6 +72,18 @@ def add(cluster: Cluster, cpus: float, **resources: float):
     return node
 
 
+def submit(dashboard: str, name: str, command: list[str]) -> subprocess.CompletedProcess:
+    """`ray job submit --no-wait`, tried again while the head's job agent is not up yet (a fresh head on a loaded
+    machine answers "No available agent to submit job, please try again later" for a while)."""
+    deadline = time.monotonic() + 120
+    while True:
+        done = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", dashboard, "--submission-id", name,
+                               "--no-wait", "--", *command], capture_output=True, text=True, timeout=60)
+        if done.returncode == 0 or "No available agent" not in done.stderr or time.monotonic() > deadline:
+            return done
+        time.sleep(1)
+
+
 def roles_on(node) -> list[str]:
     """The role actors running on `node`: the process titles (`ray::Class` or `ray::Class.method`) of its raylet's
     children."""
@@ -128,9 +140,7 @@ def test_a_run_submitted_as_a_ray_job_survives_losing_the_node_with_its_trainer_
         "cluster.mode=ray", "cluster.address=auto", "cluster.engines.count=2", "cluster.rollout_workers.count=2",
         "cluster.health.poll_s=0.2", "cluster.health.stall_s=3", "cluster.health.probe_timeout_s=2", *PINNED,
     ]
-    submitted = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", dashboard, "--submission-id", "relax-gym-nodes",
-         "--no-wait", "--", *train], capture_output=True, text=True, timeout=60)
+    submitted = submit(dashboard, "relax-gym-nodes", train)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     jobs = JobSubmissionClient(dashboard)
     placed: dict[str, list[str]] = {}

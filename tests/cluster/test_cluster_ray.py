@@ -306,6 +306,43 @@ def test_a_stuck_trainer_rank_is_restarted_from_its_checkpoint(ray_cluster, refe
     assert len(restarts) == 1 and "did not answer for 5 s" in restarts[0]["reason"]
 
 
+@ray.remote(num_cpus=0)
+class _Gone:
+    """A role ended before it answers: a call on it resolves to the error a lost copy of the weights gives."""
+
+    def weights(self) -> dict:
+        return {}
+
+
+def test_a_trainer_lost_with_every_engine_and_its_weights_is_found_while_the_loop_waits(ray_cluster, reference,
+                                                                                         tmp_path):
+    """After step 2 the trainer rank and both engines are killed at once and the published weights become
+    unfetchable, as when all of them lived on one node that went down with their only copy (one node cannot lose a
+    copy, so the published reference is swapped for one whose maker is gone). The recreated engines wait for
+    weights only a restarted trainer publishes, and the loop, waiting for their groups, calls no trainer: the
+    trainer watch finds the lost rank and fails the data bus, the trainer restarts from step 2's checkpoint and
+    publishes, and the run ends as the uninterrupted one does. (Without the watch the episodes waited
+    `engine_wait_s` and the run stopped.)"""
+    run_dir = tmp_path / "run"
+
+    async def lose_everything(run: ClusterTrainer) -> None:
+        if run.step == 2 and not run.trainer_restarts:
+            gone = _Gone.remote()
+            ray.kill(gone)
+            run.fleet.published = gone.weights.remote()
+            for slot in run.fleet.slots.values():
+                ray.kill(slot.actor)
+            ray.kill(run._trainer_actor)
+
+    train_cluster(config(run_dir, "cluster.health.engine_wait_s=60"), on_step=lose_everything)
+    assert losses(records(run_dir)) == losses(reference)
+    assert_exactly_once(run_dir)
+    seen = events(run_dir)
+    restarts = [e for e in seen if e["event"] == "trainer_restarted"]
+    assert len(restarts) == 1 and restarts[0]["resumes_from_step"] == 2, seen
+    assert "a trainer rank's process is gone" in restarts[0]["reason"], restarts
+
+
 def test_a_lora_run_pushes_its_adapter_alone_to_launched_sglang_servers(ray_cluster, tmp_path):
     """`trainer.lora` with `cluster.engines.kind=sglang` (a named fake of SGLang's launch command, given the LoRA
     flags `sglang.lora_args` writes): each publish is the adapter's folder alone, which the servers load by name;

@@ -89,6 +89,7 @@ class ClusterTrainer(Trainer):
         self._trainer_ranks: list[Any] = []
         self._trainer_group: Any = None
         self._monitor_task: asyncio.Task | None = None
+        self._trainer_watch: asyncio.Task | None = None
         self.control: ControlServer | None = None
 
     # --- roles ------------------------------------------------------------------------
@@ -187,8 +188,27 @@ class ClusterTrainer(Trainer):
         self.remote = RemoteBackend(self._trainer_actor, version=int(infos[0]["version"]), followers=followers,
                                     stall_s=self.cluster.health.trainer_stall_s)
         self.backend = self.remote
+        self._trainer_watch = asyncio.create_task(self._watch_trainer(ranks))
+
+    async def _watch_trainer(self, ranks: list[Any]) -> None:
+        """Fails the data bus with TrainerLost once a rank is gone. The loop finds a lost rank when it next calls
+        it, but while it waits for groups it makes no call: and when the engines went down with the rank's node,
+        their replacements wait for weights only a restarted trainer publishes (the last ones were lost with it),
+        so no group would come until `health.engine_wait_s` aborted every episode. A ping queues behind the rank's
+        running call and fails as soon as Ray has declared it dead."""
+        while True:
+            try:
+                await asyncio.gather(*(call(rank.ready) for rank in ranks))
+            except ACTOR_GONE as err:
+                if self.bus is not None:
+                    await self.bus.fail(TrainerLost(f"a trainer rank's process is gone ({type(err).__name__})"))
+                return
+            await asyncio.sleep(self.cluster.health.poll_s)
 
     def _kill_trainer(self) -> None:
+        if self._trainer_watch is not None:  # first: ranks we end are not lost
+            self._trainer_watch.cancel()
+            self._trainer_watch = None
         for rank in self._trainer_ranks:
             ray.kill(rank)
         self._trainer_ranks = []
