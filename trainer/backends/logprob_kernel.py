@@ -69,7 +69,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             # clamped, -inf logits (a masked vocabulary) give 0 * finite = 0, not 0 * -inf = NaN, in the entropy
             z.sub_(shift[:, None]).clamp_(min=torch.finfo(z.dtype).min)
             target = z.gather(-1, local[chunk, None]).squeeze(-1)
-            p = z.exp()
+            p = z.exp() if with_entropy else z.exp_()  # the entropy needs z too; else it is done with
             sums = [target if here is None else target * here[chunk], p.sum(dim=-1)]
             if with_entropy:
                 sums.append((p * z).sum(dim=-1))
