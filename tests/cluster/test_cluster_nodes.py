@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 from support.cluster import GROUP_SIZE as SMALL_GROUP_SIZE  # noqa: E402
 from support.cluster import GROUPS_PER_STEP as SMALL_GROUPS  # noqa: E402
 from support.cluster import WARM_START, events, records, trained_tasks  # noqa: E402
+from support.engines import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -46,12 +46,6 @@ RECOVERY = {"TrainerRank": "trainer_restarted", "EngineService": "engine_restart
             "RolloutWorker": "worker_restarted"}
 #: the custom resources that keep the trainer rank and the engines on the nodes announcing them
 PINNED = ["cluster.trainer.resources={train_box: 1}", "cluster.engines.resources={serve_box: 1}"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture
